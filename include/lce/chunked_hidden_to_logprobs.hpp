@@ -1,0 +1,153 @@
+#pragma once
+// lce::ChunkedHiddenToLogprobs: per-token log-probabilities, entropies and
+// their gradients straight from hidden states and a (vocabulary-sharded)
+// output weight, one chunk of tokens at a time, never holding the
+// [tokens, vocab] logits.
+//
+//   Comm     who holds the other vocabulary shards      lce::comm::single, mpi, nccl, threads
+//   T        storage type of hidden and weight           float, double, lce::bfloat16, lce::float16
+//   Chunk    how many tokens per chunk                    lce::budget_chunk (default), lce::fixed_chunk<K>
+//   Backend  where the arithmetic runs                   lce::host (default)
+//
+// Arguments are any views modelling matrix_like / vector_like (lce's views,
+// cuda::std::mdspan, std::mdspan). Every argument is checked before any
+// output is written; a bad one raises lce::error naming it. An operator is
+// not meant to be used by two threads at once (it keeps its scratch).
+
+#include <lce/comm/communicator.hpp>
+#include <lce/core/backend.hpp>
+#include <lce/core/chunking.hpp>
+#include <lce/core/config.hpp>
+#include <lce/core/dtypes.hpp>
+#include <lce/core/options.hpp>
+#include <lce/core/views.hpp>
+#include <lce/detail/engine.hpp>
+#include <lce/host/host.hpp>
+
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+#include <utility>
+
+LCE_BEGIN_NAMESPACE
+
+template <communicator Comm, storage_type T, chunk_policy Chunk = budget_chunk, backend Backend = host>
+class ChunkedHiddenToLogprobs {
+ public:
+  using value_type = T;
+  using compute_type = compute_t<T>;
+  using communicator_type = Comm;
+  using chunk_policy_type = Chunk;
+  using backend_type = Backend;
+
+  // Throws lce::error on bad options (temperature, softcap, chunk_tokens).
+  ChunkedHiddenToLogprobs(Comm comm, options opt = {}) : engine_(std::move(comm), opt, Backend{}) {}
+  ChunkedHiddenToLogprobs(Comm comm, options opt, Backend backend)
+      : engine_(std::move(comm), opt, std::move(backend)) {}
+
+  // hidden [N, H], weight [V_local, H], targets [N] (int32 or int64, global ids)
+  // -> logprobs [N], lse [N] (and entropy [N]); float or double elements.
+  template <matrix_like Hidden, matrix_like Weight, vector_like Targets, vector_like Logprobs, vector_like Lse>
+  void forward(const Hidden& hidden, const Weight& weight, const Targets& targets, const Logprobs& logprobs,
+               const Lse& lse) {
+    auto no_entropy = vector_view<compute_type>{};
+    engine_.forward(inputs(hidden, weight, targets), result(logprobs, "logprobs"), result(lse, "lse"), no_entropy,
+                    false);
+  }
+
+  template <matrix_like Hidden, matrix_like Weight, vector_like Targets, vector_like Logprobs, vector_like Lse,
+            vector_like Entropy>
+  void forward(const Hidden& hidden, const Weight& weight, const Targets& targets, const Logprobs& logprobs,
+               const Lse& lse, const Entropy& entropy) {
+    engine_.forward(inputs(hidden, weight, targets), result(logprobs, "logprobs"), result(lse, "lse"),
+                    result(entropy, "entropy"), true);
+  }
+
+  // Given lse from forward and dL/dlogprobs: grad_hidden OVERWRITTEN, grad_weight ACCUMULATED (+=).
+  template <matrix_like Hidden, matrix_like Weight, vector_like Targets, vector_like Lse, vector_like GradLogprobs,
+            matrix_like GradHidden, matrix_like GradWeight>
+  void backward(const Hidden& hidden, const Weight& weight, const Targets& targets, const Lse& lse,
+                const GradLogprobs& grad_logprobs, const GradHidden& grad_hidden, const GradWeight& grad_weight) {
+    auto no_entropy = vector_view<const compute_type>{};
+    engine_.backward(inputs(hidden, weight, targets), given(lse, "lse"), given(grad_logprobs, "grad_logprobs"),
+                     no_entropy, false, gradient(grad_hidden, "grad_hidden"), gradient(grad_weight, "grad_weight"));
+  }
+
+  // As above, with dL/dentropy as well.
+  template <matrix_like Hidden, matrix_like Weight, vector_like Targets, vector_like Lse, vector_like GradLogprobs,
+            vector_like GradEntropy, matrix_like GradHidden, matrix_like GradWeight>
+  void backward(const Hidden& hidden, const Weight& weight, const Targets& targets, const Lse& lse,
+                const GradLogprobs& grad_logprobs, const GradEntropy& grad_entropy, const GradHidden& grad_hidden,
+                const GradWeight& grad_weight) {
+    engine_.backward(inputs(hidden, weight, targets), given(lse, "lse"), given(grad_logprobs, "grad_logprobs"),
+                     given(grad_entropy, "grad_entropy"), true, gradient(grad_hidden, "grad_hidden"),
+                     gradient(grad_weight, "grad_weight"));
+  }
+
+  // One sweep when dL/dlogprobs is known before the forward (NLL, weighted CE):
+  // 3 GEMMs per chunk instead of 4.
+  template <matrix_like Hidden, matrix_like Weight, vector_like Targets, vector_like GradLogprobs,
+            vector_like Logprobs, matrix_like GradHidden, matrix_like GradWeight>
+  void forward_backward(const Hidden& hidden, const Weight& weight, const Targets& targets,
+                        const GradLogprobs& grad_logprobs, const Logprobs& logprobs, const GradHidden& grad_hidden,
+                        const GradWeight& grad_weight) {
+    engine_.forward_backward(inputs(hidden, weight, targets), given(grad_logprobs, "grad_logprobs"),
+                             result(logprobs, "logprobs"), gradient(grad_hidden, "grad_hidden"),
+                             gradient(grad_weight, "grad_weight"));
+  }
+
+  // Bytes of scratch the calls above allocate for these sizes (an upper bound
+  // over the calls; for a 2-byte T it includes the fp32 dW accumulator that a
+  // grad_weight of type T needs).
+  std::size_t workspace_bytes(std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local) const {
+    return engine_.workspace_bytes(n_tokens, hidden, vocab_local);
+  }
+
+  // The chunk the calls use for these sizes.
+  std::int64_t chunk_tokens(std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local) const {
+    return engine_.chunk_tokens(n_tokens, hidden, vocab_local);
+  }
+
+  const options& settings() const { return engine_.settings(); }
+  const Comm& comm() const { return engine_.comm(); }
+
+ private:
+  template <class Hidden, class Weight, class Targets>
+  static auto inputs(const Hidden& hidden, const Weight& weight, const Targets& targets) {
+    static_assert(std::is_same_v<value_of<Hidden>, T>, "hidden: element type must be the operator's T");
+    static_assert(std::is_same_v<value_of<Weight>, T>, "weight: element type must be the operator's T");
+    static_assert(index_type<value_of<Targets>>, "targets: element type must be std::int32_t or std::int64_t");
+    return detail::operator_inputs<T, value_of<Targets>>{
+        detail::to_matrix_view(hidden, "hidden"), detail::to_matrix_view(weight, "weight"),
+        detail::to_vector_view(targets, "targets")};
+  }
+
+  // Outputs of per-token results: float or double, writable.
+  template <class View>
+  static auto result(const View& view, const char* name) {
+    static_assert(!std::is_const_v<element_of<View>>, "log-prob, lse and entropy outputs must be writable views");
+    static_assert(result_type<value_of<View>>, "log-prob, lse and entropy outputs must hold float or double");
+    return detail::to_vector_view(view, name);
+  }
+
+  // Per-token inputs (lse, gradients): float or double.
+  template <class View>
+  static auto given(const View& view, const char* name) {
+    static_assert(result_type<value_of<View>>, "lse, grad_logprobs and grad_entropy must hold float or double");
+    return vector_view<const value_of<View>>(detail::to_vector_view(view, name));
+  }
+
+  // Gradient outputs: float or T (double for T = double), writable.
+  template <class View>
+  static auto gradient(const View& view, const char* name) {
+    using E = element_of<View>;
+    static_assert(!std::is_const_v<E>, "grad_hidden and grad_weight must be writable views");
+    static_assert(std::is_same_v<E, float> || std::is_same_v<E, T>,
+                  "grad_hidden and grad_weight must hold float or the operator's T");
+    return detail::to_matrix_view(view, name);
+  }
+
+  detail::engine<Comm, T, Chunk, Backend> engine_;
+};
+
+LCE_END_NAMESPACE

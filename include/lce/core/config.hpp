@@ -1,0 +1,31 @@
+#pragma once
+// Build-wide switches shared by every lce header.
+
+#define LCE_VERSION_MAJOR 0
+#define LCE_VERSION_MINOR 1
+#define LCE_VERSION_PATCH 0
+
+// Row math is compiled for the host and, under nvcc, for the device too.
+#if defined(__CUDACC__)
+#define LCE_HOST_DEVICE __host__ __device__
+#else
+#define LCE_HOST_DEVICE
+#endif
+
+#if defined(__GNUC__) || defined(__clang__)
+#define LCE_RESTRICT __restrict__
+#define LCE_ALWAYS_INLINE inline __attribute__((always_inline))
+#else
+#define LCE_RESTRICT
+#define LCE_ALWAYS_INLINE inline
+#endif
+
+// A versioned inline namespace (as CUB does) keeps two shared libraries built
+// against different lce versions from silently sharing one instantiation.
+#define LCE_ABI_NAMESPACE v0_1
+#define LCE_BEGIN_NAMESPACE \
+  namespace lce {           \
+  inline namespace LCE_ABI_NAMESPACE {
+#define LCE_END_NAMESPACE \
+  }                       \
+  }

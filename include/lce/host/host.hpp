@@ -1,0 +1,242 @@
+#pragma once
+// The CPU backend: BLAS GEMMs per chunk and vectorised row passes spread
+// over a small thread pool.
+//
+//   lce::host{}           all hardware threads for the row passes
+//   lce::host{threads}    that many (the BLAS keeps its own setting)
+//
+// Results are bitwise the same whatever the thread count: rows are
+// independent and each is reduced in a fixed order.
+
+#include <lce/core/backend.hpp>
+#include <lce/core/config.hpp>
+#include <lce/core/dtypes.hpp>
+#include <lce/core/row_math.hpp>
+#include <lce/core/views.hpp>
+#include <lce/host/detail/blas.hpp>
+#include <lce/host/detail/convert.hpp>
+#include <lce/host/detail/row_passes.hpp>
+#include <lce/host/detail/thread_pool.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <new>
+#include <thread>
+
+LCE_BEGIN_NAMESPACE
+
+class host {
+ public:
+  using memory_space = host_memory;
+
+  explicit host(int threads = 0)
+      : pool_(std::make_unique<detail::thread_pool>(
+            threads > 0 ? threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency())))) {}
+
+  int threads() const { return pool_->size(); }
+
+  // ---- memory --------------------------------------------------------------
+
+  static constexpr std::size_t alignment = 64;
+
+  void* allocate(std::size_t bytes) { return ::operator new(bytes, std::align_val_t{alignment}); }
+  void deallocate(void* pointer, std::size_t) { ::operator delete(pointer, std::align_val_t{alignment}); }
+
+  // ---- GEMMs ---------------------------------------------------------------
+  // A 2-byte weight is widened to fp32 one block of vocabulary rows at a
+  // time (CBLAS has no 2-byte GEMM); the block stays in cache for its GEMM.
+
+  template <storage_type T>
+  static constexpr std::int64_t weight_block_elements(std::int64_t hidden, std::int64_t vocab_local) {
+    if constexpr (!half_precision<T>) {
+      return 0;
+    } else {
+      return std::min(weight_block_rows(hidden), std::max<std::int64_t>(vocab_local, 1)) * hidden;
+    }
+  }
+
+  // out = alpha x w^T
+  template <class A, class T>
+  void logits(matrix_view<const A> x, matrix_view<const T> w, A alpha, matrix_view<A> out, void* weight_block) {
+    for_weight_blocks(w, weight_block, [&](std::int64_t first, const A* block, std::int64_t rows, std::int64_t ld) {
+      detail::gemm(detail::transpose::no, detail::transpose::yes, x.rows, rows, x.cols, alpha, x.data, x.ld, block,
+                   ld, A(0), out.data + first, out.ld);
+    });
+  }
+
+  // dx = alpha dz w   (overwrites dx)
+  template <class A, class T>
+  void grad_hidden(matrix_view<const A> dz, matrix_view<const T> w, A alpha, matrix_view<A> dx, void* weight_block) {
+    for_weight_blocks(w, weight_block, [&](std::int64_t first, const A* block, std::int64_t rows, std::int64_t ld) {
+      detail::gemm(detail::transpose::no, detail::transpose::no, dz.rows, w.cols, rows, alpha, dz.data + first, dz.ld,
+                   block, ld, first == 0 ? A(0) : A(1), dx.data, dx.ld);
+    });
+  }
+
+  // dw += alpha dz^T x
+  template <class A>
+  void grad_weight(matrix_view<const A> dz, matrix_view<const A> x, A alpha, matrix_view<A> dw) {
+    detail::gemm(detail::transpose::yes, detail::transpose::no, dz.cols, x.cols, dz.rows, alpha, dz.data, dz.ld,
+                 x.data, x.ld, A(1), dw.data, dw.ld);
+  }
+
+  // ---- element conversions -------------------------------------------------
+
+  template <class From, class To>
+  void copy(matrix_view<From> source, matrix_view<To> target) {
+    for_rows(source.rows, [&](std::int64_t r) { detail::convert_span(source.row(r), target.row(r), source.cols); });
+  }
+
+  template <class From, class To>
+  void copy(vector_view<From> source, vector_view<To> target) {
+    detail::convert_span(source.data, target.data, source.size);
+  }
+
+  template <class From, class To>
+  void add(matrix_view<From> source, matrix_view<To> target) {
+    for_rows(source.rows, [&](std::int64_t r) { detail::add_span(source.row(r), target.row(r), source.cols); });
+  }
+
+  template <class A>
+  void fill_zero(matrix_view<A> target) {
+    for_rows(target.rows, [&](std::int64_t r) { detail::zero_row(target.row(r), target.cols); });
+  }
+
+  // ---- row passes ----------------------------------------------------------
+
+  template <class A>
+  void soft_cap(matrix_view<A> logits, A cap) {
+    for_rows(logits.rows, [&](std::int64_t r) { detail::soft_cap_row(logits.row(r), logits.cols, cap); });
+  }
+
+  template <class A, class I>
+  void row_statistics(const statistics_args<A, I>& args) {
+    for_rows(args.logits.rows, [&](std::int64_t r) {
+      A* row = args.logits.row(r);
+      const std::int64_t n = args.logits.cols;
+      if (args.soft_cap > A(0)) detail::soft_cap_row(row, n, args.soft_cap);
+      detail::row_partial<A> partial;
+      partial.max = detail::row_max(row, n);
+      const std::int64_t target = local_target(args.targets[r], args.vocab_start, args.ignore_index, n);
+      if (target >= 0) partial.target_logit = row[target];
+      if (args.keep_exp) {
+        partial.sum_exp = detail::exp_in_place_row(row, n, partial.max);
+      } else if (args.with_entropy) {
+        detail::sum_exp_row<A, true>(row, n, partial.max, partial.sum_exp, partial.sum_exp_offset);
+      } else {
+        detail::sum_exp_row<A, false>(row, n, partial.max, partial.sum_exp, partial.sum_exp_offset);
+      }
+      args.partials[r] = partial;
+    });
+  }
+
+  // gathered holds `ranks` consecutive arrays of `rows` partials, merged in rank order.
+  template <class A>
+  void merge_partials(const detail::row_partial<A>* gathered, int ranks, std::int64_t rows,
+                      detail::row_partial<A>* merged) {
+    for (std::int64_t r = 0; r < rows; ++r) {
+      detail::row_partial<A> total = gathered[r];
+      for (int k = 1; k < ranks; ++k) total = detail::merge(total, gathered[k * rows + r]);
+      merged[r] = total;
+    }
+  }
+
+  template <class A, class I>
+  void finalize_rows(const finalize_args<A, I>& args, std::int64_t rows) {
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const auto result = detail::finalize(args.partials[r], args.targets[r] == args.ignore_index);
+      if (args.logprobs) args.logprobs[r] = result.logprob;
+      if (args.lse) args.lse[r] = result.lse;
+      if (args.entropy) args.entropy[r] = result.entropy;
+    }
+  }
+
+  template <class A, class I>
+  void expected_logits(const expected_logit_args<A, I>& args) {
+    for_rows(args.logits.rows, [&](std::int64_t r) {
+      const bool ignored = args.targets[r] == args.ignore_index;
+      args.out[r] = ignored ? A(0) : detail::expected_logit_row(args.logits.row(r), args.logits.cols, args.lse[r]);
+    });
+  }
+
+  template <class A, class I>
+  void logit_gradients(const gradient_args<A, I>& args) {
+    const bool capped = args.soft_cap > A(0);
+    const A inverse_cap = capped ? A(1) / args.soft_cap : A(0);
+    for_rows(args.logits.rows, [&](std::int64_t r) {
+      A* row = args.logits.row(r);
+      const std::int64_t n = args.logits.cols;
+      const A g = args.grad_logprobs[r];
+      const A h = args.grad_entropy ? args.grad_entropy[r] : A(0);
+      if (args.targets[r] == args.ignore_index || (g == A(0) && h == A(0))) {
+        detail::zero_row(row, n);
+        return;
+      }
+      const std::int64_t target = local_target(args.targets[r], args.vocab_start, args.ignore_index, n);
+      const A target_slope = target >= 0 && capped ? detail::soft_cap_slope(row[target], inverse_cap) : A(1);
+      if (args.exp_row_max) {
+        detail::scale_row(row, n, -g * std::exp(args.exp_row_max[r].max - args.lse[r]));
+      } else {
+        dispatch_gradient_row(row, n, args.lse[r], g, h, args.expected_logit ? args.expected_logit[r] : A(0),
+                              inverse_cap, args.grad_entropy != nullptr, capped);
+      }
+      if (target >= 0) row[target] += g * target_slope;
+    });
+  }
+
+ private:
+  static constexpr std::int64_t weight_block_rows(std::int64_t hidden) {
+    constexpr std::int64_t block_elements = std::int64_t{1} << 19;  // 2 MiB of fp32: stays in L2
+    return std::max<std::int64_t>(16, block_elements / std::max<std::int64_t>(hidden, 1));
+  }
+
+  // body(first_row, block, rows, ld) over the weight in compute type: the
+  // weight itself when no widening is needed, else widened blocks.
+  template <class T, class Body>
+  void for_weight_blocks(matrix_view<const T> w, void* scratch, Body&& body) {
+    if constexpr (!half_precision<T>) {
+      body(std::int64_t{0}, w.data, w.rows, w.ld);
+    } else {
+      float* block = static_cast<float*>(scratch);
+      const std::int64_t step = weight_block_rows(w.cols);
+      for (std::int64_t first = 0; first < w.rows; first += step) {
+        const std::int64_t rows = std::min(step, w.rows - first);
+        copy(w.rows_slice(first, rows), matrix_view<float>{block, rows, w.cols});
+        body(first, static_cast<const float*>(block), rows, w.cols);
+      }
+    }
+  }
+
+  template <class Body>
+  void for_rows(std::int64_t rows, Body&& body) {
+    pool_->parallel_for(rows, [&](std::int64_t begin, std::int64_t end) {
+      for (std::int64_t r = begin; r < end; ++r) body(r);
+    });
+  }
+
+  template <class I>
+  static std::int64_t local_target(I target, std::int64_t vocab_start, std::int64_t ignore_index, std::int64_t n) {
+    const std::int64_t local = static_cast<std::int64_t>(target) - vocab_start;
+    return static_cast<std::int64_t>(target) != ignore_index && local >= 0 && local < n ? local : -1;
+  }
+
+  template <class A>
+  static void dispatch_gradient_row(A* row, std::int64_t n, A lse, A g, A h, A expected, A inverse_cap,
+                                    bool with_entropy, bool capped) {
+    if (with_entropy) {
+      capped ? detail::gradient_row<A, true, true>(row, n, lse, g, h, expected, inverse_cap)
+             : detail::gradient_row<A, true, false>(row, n, lse, g, h, expected, inverse_cap);
+    } else {
+      capped ? detail::gradient_row<A, false, true>(row, n, lse, g, h, expected, inverse_cap)
+             : detail::gradient_row<A, false, false>(row, n, lse, g, h, expected, inverse_cap);
+    }
+  }
+
+  std::unique_ptr<detail::thread_pool> pool_;
+};
+
+static_assert(backend<host>);
+
+LCE_END_NAMESPACE
