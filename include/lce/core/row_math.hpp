@@ -11,10 +11,20 @@
 
 #include <lce/core/config.hpp>
 #include <lce/core/dtypes.hpp>
+#include <lce/core/simd.hpp>
 
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
+
+// Functions here are generic over SIMD packs, which are only ever passed
+// between always-inlined functions; the note that their by-value ABI differs
+// without AVX-512 does not concern them.
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wpsabi"
+#endif
 
 LCE_BEGIN_NAMESPACE
 namespace detail {
@@ -25,53 +35,80 @@ namespace detail {
 // (which, unlike roundf, vectorises), a degree-6 polynomial and the power of
 // two built from exponent bits. Relative error about 2e-7. Arguments below
 // -87 give 0; the passes only ever call it on arguments <= 0 (z - max).
-LCE_HOST_DEVICE LCE_ALWAYS_INLINE float fast_exp(float x) {
-  constexpr float lowest = -87.0f;
-  constexpr float highest = 88.0f;
+//
+// F is float or a GNU vector of floats (the host's SIMD packs): the same
+// arithmetic, one lane or sixteen.
+template <class F>
+LCE_HOST_DEVICE LCE_ALWAYS_INLINE F fast_exp_fp32(F x) {
+  using Int = std::conditional_t<std::is_same_v<F, float>, std::int32_t, decltype(F{} < F{})>;
+  const F lowest = F{} + -87.0f;
+  const F highest = F{} + 88.0f;
+  const F round_shift = F{} + 12582912.0f;  // 1.5 * 2^23
   constexpr float log2e = 1.44269504088896341f;
   constexpr float ln2_hi = 0.693145751953125f;
   constexpr float ln2_lo = 1.42860682030941723e-6f;
-  constexpr float round_shift = 12582912.0f;  // 1.5 * 2^23
 
-  const float clamped = x < lowest ? lowest : (x > highest ? highest : x);
-  const float shifted = clamped * log2e + round_shift;
-  const float n = shifted - round_shift;
-  const std::int32_t exponent =
-      static_cast<std::int32_t>(bits_of(shifted)) - static_cast<std::int32_t>(bits_of(round_shift));
-  const float r = (clamped - n * ln2_hi) - n * ln2_lo;
-  float p = 1.0f / 720.0f;
+  F clamped = x < lowest ? lowest : x;
+  clamped = clamped > highest ? highest : clamped;
+  const F shifted = clamped * log2e + round_shift;
+  const F n = shifted - round_shift;
+  const Int exponent = __builtin_bit_cast(Int, shifted) - __builtin_bit_cast(Int, round_shift);
+  const F r = (clamped - n * ln2_hi) - n * ln2_lo;
+  F p = F{} + 1.0f / 720.0f;
   p = p * r + 1.0f / 120.0f;
   p = p * r + 1.0f / 24.0f;
   p = p * r + 1.0f / 6.0f;
   p = p * r + 0.5f;
   p = p * r + 1.0f;
   p = p * r + 1.0f;
-  const float scale = float_of(static_cast<std::uint32_t>(exponent + 127) << 23);
-  return x < lowest ? 0.0f : p * scale;
+  const F scale = __builtin_bit_cast(F, (exponent + 127) << 23);
+  return x < lowest ? F{} : p * scale;
 }
+
+LCE_HOST_DEVICE LCE_ALWAYS_INLINE float fast_exp(float x) { return fast_exp_fp32(x); }
 
 LCE_HOST_DEVICE LCE_ALWAYS_INLINE double fast_exp(double x) { return std::exp(x); }
 
 // tanh from the same exp, so soft-capping vectorises as well. Absolute error
 // about 1e-7, which is the rounding of the fp32 logit it is applied to.
-LCE_HOST_DEVICE LCE_ALWAYS_INLINE float fast_tanh(float x) {
-  const float magnitude = x < 0.0f ? -x : x;
-  const float e = fast_exp(-2.0f * magnitude);
-  const float t = (1.0f - e) / (1.0f + e);
-  return x < 0.0f ? -t : t;
+template <class F>
+LCE_HOST_DEVICE LCE_ALWAYS_INLINE F fast_tanh_fp32(F x) {
+  const F zero{};
+  const F magnitude = x < zero ? -x : x;
+  const F e = fast_exp_fp32(magnitude * -2.0f);
+  const F t = (1.0f - e) / (1.0f + e);
+  return x < zero ? -t : t;
 }
+
+LCE_HOST_DEVICE LCE_ALWAYS_INLINE float fast_tanh(float x) { return fast_tanh_fp32(x); }
 
 LCE_HOST_DEVICE LCE_ALWAYS_INLINE double fast_tanh(double x) { return std::tanh(x); }
 
-template <class A>
-LCE_HOST_DEVICE LCE_ALWAYS_INLINE A soft_cap(A z, A cap) {
-  return cap * fast_tanh(z / cap);
+#if LCE_VECTOR_PACKS && !defined(__CUDA_ARCH__)
+LCE_ALWAYS_INLINE pack<float> fast_exp(pack<float> x) { return fast_exp_fp32(x); }
+LCE_ALWAYS_INLINE pack<float> fast_tanh(pack<float> x) { return fast_tanh_fp32(x); }
+
+// double is the precise path: exp and tanh stay the standard ones, lane by lane.
+LCE_ALWAYS_INLINE pack<double> fast_exp(pack<double> x) {
+  for (int l = 0; l < pack_lanes<double>; ++l) x[l] = std::exp(x[l]);
+  return x;
+}
+LCE_ALWAYS_INLINE pack<double> fast_tanh(pack<double> x) {
+  for (int l = 0; l < pack_lanes<double>; ++l) x[l] = std::tanh(x[l]);
+  return x;
+}
+#endif
+
+// The soft-cap z -> cap * tanh(z / cap) and its slope, written in terms of
+// the capped value. P is a scalar or a SIMD pack of A.
+template <class P, class A>
+LCE_HOST_DEVICE LCE_ALWAYS_INLINE P soft_cap(P z, A cap, A inverse_cap) {
+  return fast_tanh(z * inverse_cap) * cap;
 }
 
-// d(cap * tanh(u / cap)) / du, written in terms of the capped value.
-template <class A>
-LCE_HOST_DEVICE LCE_ALWAYS_INLINE A soft_cap_slope(A capped, A inverse_cap) {
-  const A ratio = capped * inverse_cap;
+template <class P, class A>
+LCE_HOST_DEVICE LCE_ALWAYS_INLINE P soft_cap_slope(P capped, A inverse_cap) {
+  const P ratio = capped * inverse_cap;
   return A(1) - ratio * ratio;
 }
 
@@ -122,10 +159,14 @@ LCE_HOST_DEVICE inline row_result<A> finalize(const row_partial<A>& row, bool ig
 // d(loss)/dz for one logit, from dz = g (1[v = y] - p) + h p (E_p[z] - z);
 // the g at the target column is added once per row by the caller, so no
 // one-hot is ever built.
-template <class A>
-LCE_HOST_DEVICE LCE_ALWAYS_INLINE A logit_gradient(A p, A z, A grad_logprob, A grad_entropy, A expected_logit) {
-  return p * (grad_entropy * (expected_logit - z) - grad_logprob);
+template <class P, class A>
+LCE_HOST_DEVICE LCE_ALWAYS_INLINE P logit_gradient(P p, P z, A grad_logprob, A grad_entropy, A expected_logit) {
+  return p * ((expected_logit - z) * grad_entropy - grad_logprob);
 }
 
 }  // namespace detail
 LCE_END_NAMESPACE
+
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
