@@ -29,6 +29,9 @@ struct single {
     if (send != receive && count > 0) std::memmove(receive, send, static_cast<std::size_t>(count) * sizeof(A));
   }
   constexpr bool all_agree(bool flag) const { return flag; }
+  void all_gather_host(const std::int64_t* send, std::int64_t* receive, std::int64_t count) const {
+    all_gather_bytes(send, receive, static_cast<std::size_t>(count) * sizeof(std::int64_t));
+  }
 };
 
 static_assert(communicator<single>);

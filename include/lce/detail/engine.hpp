@@ -1,15 +1,17 @@
 #pragma once
 // The chunk loop behind ChunkedHiddenToLogprobs.
 //
-// Each call: check every argument (before touching any output), plan the
-// workspace, then sweep the tokens one chunk at a time:
+// Each call: check every argument on every rank (before touching any
+// output), plan the workspace, then sweep the tokens one chunk at a time:
 //
-//   forward           logits GEMM -> row statistics -> [combine ranks] -> log-probs, lse, entropy
-//   backward          logits GEMM -> [E_p[z]] -> dz in place -> dX GEMM [reduce ranks] -> dW GEMM
-//   forward_backward  logits GEMM -> statistics with exp kept -> [combine] -> dz by scaling -> dX, dW
+//   forward           logits GEMM -> row statistics -> [gather ranks] -> log-probs, lse, entropy
+//   backward          logits GEMM -> [E_p[z], summed over ranks] -> dz in place -> dX GEMM [reduced] -> dW GEMM
+//   forward_backward  logits GEMM -> statistics keeping exp -> [gather] -> dz by row scaling -> dX, dW
 //
-// The backend does the arithmetic, the communicator the collectives; this
-// file only orders them, so it is shared by every backend.
+// Under sequence parallelism each chunk gathers a slice of every rank's
+// hidden rows first and reduce-scatters dX back, so no rank ever holds the
+// whole [N, H]. The backend does the arithmetic, the communicator the
+// collectives; this file only orders them, so it serves every backend.
 
 #include <lce/comm/communicator.hpp>
 #include <lce/core/backend.hpp>
@@ -26,7 +28,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 #include <utility>
+#include <vector>
 
 LCE_BEGIN_NAMESPACE
 namespace detail {
@@ -69,6 +73,10 @@ class scratch {
 
 template <communicator Comm, storage_type T, chunk_policy Chunk, backend Backend>
 class engine {
+  static_assert(std::is_void_v<typename Comm::memory_space> ||
+                    std::is_same_v<typename Comm::memory_space, typename Backend::memory_space>,
+                "the communicator's collectives must work on the backend's memory (e.g. NCCL needs a CUDA backend)");
+
  public:
   using A = compute_t<T>;
 
@@ -84,22 +92,10 @@ class engine {
 
   const options& settings() const { return options_; }
   const Comm& comm() const { return comm_; }
-  Backend& backend() { return backend_; }
 
+  // Rows of the logit block per chunk for a call over n_tokens tokens.
   std::int64_t chunk_tokens(std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local) const {
-    const auto shape = shape_of(hidden, vocab_local);
-    std::int64_t chunk = options_.chunk_tokens;
-    if (chunk <= 0) {
-      chunk_request request;
-      request.n_tokens = n_tokens;
-      request.hidden = hidden;
-      request.vocab_local = vocab_local;
-      request.bytes_per_token = workspace_plan<A>::bytes_per_token(shape);
-      request.fixed_bytes = workspace_plan<A>::fixed_bytes(shape);
-      request.workspace_limit_bytes = options_.workspace_limit_bytes;
-      chunk = static_cast<std::int64_t>(Chunk{}.tokens_per_chunk(request));
-    }
-    return std::clamp<std::int64_t>(chunk, 1, std::max<std::int64_t>(n_tokens, 1));
+    return plan_for(n_tokens, hidden, vocab_local).chunk;
   }
 
   // The buffer of a sweep plus, for a 2-byte T, the wide dW accumulator a
@@ -107,10 +103,9 @@ class engine {
   std::size_t workspace_bytes(std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local) const {
     expects(n_tokens >= 0 && hidden >= 0 && vocab_local >= 0, "workspace_bytes: negative size (n_tokens ", n_tokens,
             ", hidden ", hidden, ", vocab_local ", vocab_local, ")");
-    const auto plan = plan_for(n_tokens, hidden, vocab_local);
     const std::size_t accumulator =
         std::same_as<T, A> ? 0 : static_cast<std::size_t>(vocab_local * hidden) * sizeof(A);
-    return plan.bytes + accumulator;
+    return plan_for(n_tokens, hidden, vocab_local).bytes + accumulator;
   }
 
   // ---- forward -------------------------------------------------------------
@@ -118,8 +113,7 @@ class engine {
   template <class I, class RL, class RS, class RE>
   void forward(const operator_inputs<T, I>& in, vector_view<RL> logprobs, vector_view<RS> lse,
                vector_view<RE> entropy, bool with_entropy) {
-    const std::int64_t n = in.targets.size;
-    validate(in, [&] {
+    validate(in, [&](std::int64_t n) {
       check_rows(logprobs, "logprobs", n, "targets");
       check_rows(lse, "lse", n, "targets");
       if (with_entropy) check_rows(entropy, "entropy", n, "targets");
@@ -128,9 +122,9 @@ class engine {
     });
     sweep(in, [&](const auto& c) {
       forward_statistics(c, with_entropy, /*keep_exp=*/false);
-      backend_.copy(c.row_vector(row_logprobs), logprobs.slice(c.first, c.rows));
-      backend_.copy(c.row_vector(row_lse), lse.slice(c.first, c.rows));
-      if (with_entropy) backend_.copy(c.row_vector(row_entropy), entropy.slice(c.first, c.rows));
+      scatter_rows(c, row_logprobs, logprobs);
+      scatter_rows(c, row_lse, lse);
+      if (with_entropy) scatter_rows(c, row_entropy, entropy);
     });
   }
 
@@ -140,8 +134,7 @@ class engine {
   void backward(const operator_inputs<T, I>& in, vector_view<const RS> lse, vector_view<const RG> grad_logprobs,
                 vector_view<const RH> grad_entropy, bool with_entropy, matrix_view<GX> grad_hidden,
                 matrix_view<GW> grad_weight) {
-    const std::int64_t n = in.targets.size;
-    validate(in, [&] {
+    validate(in, [&](std::int64_t n) {
       check_rows(lse, "lse", n, "targets");
       check_rows(grad_logprobs, "grad_logprobs", n, "targets");
       if (with_entropy) check_rows(grad_entropy, "grad_entropy", n, "targets");
@@ -152,14 +145,15 @@ class engine {
     });
     const auto weight_gradient = begin_weight_gradient(grad_weight);
     sweep(in, [&](const auto& c) {
+      using I_ = typename std::remove_cvref_t<decltype(c)>::index;
       backend_.logits(c.hidden, c.weight, alpha(), c.logits, c.weight_block);
       if (softcap() > A(0)) backend_.soft_cap(c.logits, softcap());
-      backend_.copy(lse.slice(c.first, c.rows), c.row_vector(row_lse));
-      backend_.copy(grad_logprobs.slice(c.first, c.rows), c.row_vector(row_grad_logprobs));
+      gather_rows(c, lse, row_lse);
+      gather_rows(c, grad_logprobs, row_grad_logprobs);
       if (with_entropy) {
-        backend_.copy(grad_entropy.slice(c.first, c.rows), c.row_vector(row_grad_entropy));
-        backend_.expected_logits(expected_logit_args<A, I>{c.logits, c.targets, options_.ignore_index,
-                                                           c.row(row_lse), c.row(row_expected)});
+        gather_rows(c, grad_entropy, row_grad_entropy);
+        backend_.expected_logits(expected_logit_args<A, I_>{c.logits, c.targets, options_.ignore_index,
+                                                            c.row(row_lse), c.row(row_expected)});
         if (comm_.size() > 1) comm_.all_reduce_sum(c.row(row_expected), c.rows);
       }
       auto args = gradient_base(c);
@@ -176,8 +170,7 @@ class engine {
   template <class I, class RG, class RL, class GX, class GW>
   void forward_backward(const operator_inputs<T, I>& in, vector_view<const RG> grad_logprobs,
                         vector_view<RL> logprobs, matrix_view<GX> grad_hidden, matrix_view<GW> grad_weight) {
-    const std::int64_t n = in.targets.size;
-    validate(in, [&] {
+    validate(in, [&](std::int64_t n) {
       check_rows(grad_logprobs, "grad_logprobs", n, "targets");
       check_rows(logprobs, "logprobs", n, "targets");
       check_gradients(in, grad_hidden, grad_weight);
@@ -191,8 +184,8 @@ class engine {
     const bool keep_exp = !(softcap() > A(0));
     sweep(in, [&](const auto& c) {
       forward_statistics(c, /*with_entropy=*/false, keep_exp);
-      backend_.copy(c.row_vector(row_logprobs), logprobs.slice(c.first, c.rows));
-      backend_.copy(grad_logprobs.slice(c.first, c.rows), c.row_vector(row_grad_logprobs));
+      scatter_rows(c, row_logprobs, logprobs);
+      gather_rows(c, grad_logprobs, row_grad_logprobs);
       auto args = gradient_base(c);
       args.exp_row_max = keep_exp ? c.partials : nullptr;
       backend_.logit_gradients(args);
@@ -202,60 +195,147 @@ class engine {
   }
 
  private:
-  // One chunk of rows and the scratch carved out for it.
+  // One chunk: its rows and the scratch carved out for it. The rows of the
+  // logit block map to token rows in `segments` runs of `segment_rows`:
+  // one run normally; under sequence parallelism one per rank, run s
+  // starting at token s * local_tokens + local_first.
   template <class I>
   struct chunk {
-    std::int64_t first = 0;
-    std::int64_t rows = 0;
-    matrix_view<const A> hidden;  // [rows, H] in compute type
-    matrix_view<const T> weight;  // [V_local, H]
-    vector_view<const I> targets;
-    matrix_view<A> logits;        // [rows, V_local], becomes dz
+    using index = I;
+    std::int64_t local_first = 0;    // first row of this rank's hidden in the chunk
+    std::int64_t rows = 0;           // rows of the logit block
+    int segments = 1;
+    std::int64_t segment_rows = 0;
+    std::int64_t local_tokens = 0;   // hidden rows per rank (sequence parallel)
+    matrix_view<const A> hidden;     // [rows, H] in compute type
+    matrix_view<const T> weight;     // [V_local, H]
+    vector_view<const I> targets;    // [rows]
+    matrix_view<A> logits;           // [rows, V_local], becomes dz
     matrix_view<A> grad_hidden_stage;
     void* weight_block = nullptr;
     row_partial<A>* partials = nullptr;  // this rank's
     row_partial<A>* gathered = nullptr;  // every rank's, [ranks][rows]
     A* row_base = nullptr;
     std::int64_t row_stride = 0;
+    A* grad_hidden_local = nullptr;  // [segment_rows, H] (sequence parallel)
 
     A* row(row_array which) const { return row_base + which * row_stride; }
-    vector_view<A> row_vector(row_array which) const { return {row(which), rows}; }
+    std::int64_t token_of_segment(int s) const { return segments == 1 ? local_first : s * local_tokens + local_first; }
   };
 
   A alpha() const { return A(1) / static_cast<A>(options_.temperature); }
   A softcap() const { return static_cast<A>(options_.softcap); }
+  bool sequence_parallel() const { return options_.sequence_parallel && comm_.size() > 1; }
 
   workspace_shape shape_of(std::int64_t hidden, std::int64_t vocab_local) const {
     workspace_shape shape;
     shape.hidden = hidden;
     shape.vocab_local = vocab_local;
     shape.ranks = comm_.size();
-    shape.stage_hidden = !std::same_as<T, A>;
+    shape.widen_hidden = !std::same_as<T, A>;
+    shape.sequence_parallel = sequence_parallel();
+    shape.storage_bytes = sizeof(T);
     shape.weight_block_elements = Backend::template weight_block_elements<T>(hidden, vocab_local);
     return shape;
   }
 
+  // The chunk is counted in logit-block rows; under sequence parallelism
+  // each rank contributes an equal share of them.
   workspace_plan<A> plan_for(std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local) const {
-    return workspace_plan<A>::make(shape_of(hidden, vocab_local), chunk_tokens(n_tokens, hidden, vocab_local));
+    const auto shape = shape_of(hidden, vocab_local);
+    std::int64_t rows = options_.chunk_tokens;
+    if (rows <= 0) {
+      chunk_request request;
+      request.n_tokens = n_tokens;
+      request.hidden = hidden;
+      request.vocab_local = vocab_local;
+      request.bytes_per_token = workspace_plan<A>::bytes_per_token(shape);
+      request.fixed_bytes = workspace_plan<A>::fixed_bytes(shape);
+      request.workspace_limit_bytes = options_.workspace_limit_bytes;
+      rows = static_cast<std::int64_t>(Chunk{}.tokens_per_chunk(request));
+    }
+    const std::int64_t share = shape.sequence_parallel ? shape.ranks : 1;
+    const std::int64_t local_tokens = n_tokens / share;
+    const std::int64_t local_chunk = std::clamp<std::int64_t>(rows / share, 1, std::max<std::int64_t>(local_tokens, 1));
+    return workspace_plan<A>::make(shape, local_chunk);
   }
 
-  // Checks shared by every call, then the call's own (shapes of outputs,
-  // aliasing), then the targets against the whole vocabulary. Throws before
+  // ---- argument checks -----------------------------------------------------
+
+  // The checks of every call, then the call's own (output shapes, aliasing),
+  // then targets against the whole vocabulary. On several ranks the verdict
+  // is agreed on, so a bad argument on one rank raises lce::error on all of
+  // them rather than leaving the others in a collective. Throws before
   // anything is written.
   template <class I, class CallChecks>
   void validate(const operator_inputs<T, I>& in, CallChecks&& call_checks) {
-    check_matrix(in.hidden, "hidden");
-    check_matrix(in.weight, "weight");
-    check_vector(in.targets, "targets");
-    expects(in.hidden.cols == in.weight.cols, "hidden: ", in.hidden.cols, " columns do not match weight's ",
-            in.weight.cols, " columns (the hidden size)");
-    expects(in.hidden.cols > 0, "hidden: the hidden size (columns) must be > 0, got ", in.hidden.cols);
-    expects(in.targets.size == in.hidden.rows, "targets: size ", in.targets.size, " does not match the ",
-            in.hidden.rows, " rows of hidden");
-    expects(in.weight.rows > 0, "weight: this rank's vocabulary shard is empty (0 rows)");
-    call_checks();
-    const std::int64_t vocab = vocabulary_size(in.weight.rows);
-    check_targets(in.targets, vocab, options_.ignore_index);
+    const auto local_checks = [&] {
+      check_matrix(in.hidden, "hidden");
+      check_matrix(in.weight, "weight");
+      check_vector(in.targets, "targets");
+      expects(in.hidden.cols == in.weight.cols, "hidden: ", in.hidden.cols, " columns do not match weight's ",
+              in.weight.cols, " columns (the hidden size)");
+      expects(in.hidden.cols > 0, "hidden: the hidden size (columns) must be > 0, got ", in.hidden.cols);
+      if (sequence_parallel()) {
+        expects(in.targets.size == in.hidden.rows * comm_.size(), "targets: size ", in.targets.size,
+                " is not ranks (", comm_.size(), ") x the ", in.hidden.rows,
+                " rows of hidden on this rank (sequence parallel: every rank holds an equal share of the tokens)");
+      } else {
+        expects(in.targets.size == in.hidden.rows, "targets: size ", in.targets.size, " does not match the ",
+                in.hidden.rows, " rows of hidden");
+      }
+      expects(in.weight.rows > 0, "weight: this rank's vocabulary shard is empty (0 rows)");
+      call_checks(in.targets.size);
+    };
+    if (comm_.size() == 1) {
+      local_checks();
+      expects(options_.vocab_start == 0, "vocab_start = ", options_.vocab_start,
+              " on a single rank: the shard must cover the whole vocabulary [0, ", in.weight.rows, ")");
+      check_targets(in.targets, in.weight.rows, options_.ignore_index);
+      return;
+    }
+    const bool known_shards = shards_.vocab_local == in.weight.rows;
+    std::string failure = failure_of([&] {
+      local_checks();
+      if (known_shards) check_targets(in.targets, shards_.vocab, options_.ignore_index);
+    });
+    if (comm_.all_agree(failure.empty() && known_shards)) return;  // the usual case: one tiny collective
+    agree_or_throw(failure);
+    shards_.vocab = exchange_shards(in.weight.rows);
+    shards_.vocab_local = in.weight.rows;
+    agree_or_throw(failure_of([&] { check_targets(in.targets, shards_.vocab, options_.ignore_index); }));
+  }
+
+  template <class Checks>
+  static std::string failure_of(Checks&& checks) {
+    try {
+      checks();
+    } catch (const error& e) {
+      return e.what();
+    }
+    return {};
+  }
+
+  void agree_or_throw(const std::string& failure) {
+    if (comm_.all_agree(failure.empty())) return;
+    if (!failure.empty()) throw error(failure);
+    fail("another rank (not ", comm_.rank(), ") rejected its arguments; its lce::error names them");
+  }
+
+  // Every rank learns every shard's (vocab_start, rows); they must tile
+  // [0, V) in rank order. All ranks see the same data, so all throw alike.
+  std::int64_t exchange_shards(std::int64_t vocab_local) {
+    const std::int64_t mine[2] = {options_.vocab_start, vocab_local};
+    std::vector<std::int64_t> all(static_cast<std::size_t>(2 * comm_.size()));
+    comm_.all_gather_host(mine, all.data(), 2);
+    std::int64_t expected_start = 0;
+    for (int r = 0; r < comm_.size(); ++r) {
+      const std::int64_t start = all[2 * r], rows = all[2 * r + 1];
+      expects(start == expected_start, "vocab_start = ", start, " on rank ", r, " (", rows,
+              " rows), but the shards must tile the vocabulary in rank order: expected ", expected_start);
+      expected_start = start + rows;
+    }
+    return expected_start;
   }
 
   template <class I>
@@ -265,19 +345,14 @@ class engine {
   template <class I>
   static byte_range target_bytes(const operator_inputs<T, I>& in) { return bytes_of(in.targets, "targets"); }
 
-  // One rank: the shard is the vocabulary, so it must start at 0.
-  std::int64_t vocabulary_size(std::int64_t vocab_local) const {
-    expects(options_.vocab_start == 0, "vocab_start = ", options_.vocab_start,
-            " on a single rank: the shard must cover the whole vocabulary [0, ", vocab_local, ")");
-    return vocab_local;
-  }
-
   template <class I, class GX, class GW>
   static void check_gradients(const operator_inputs<T, I>& in, const matrix_view<GX>& grad_hidden,
                               const matrix_view<GW>& grad_weight) {
     check_shape(grad_hidden, "grad_hidden", in.hidden.rows, in.hidden.cols, "hidden");
     check_shape(grad_weight, "grad_weight", in.weight.rows, in.weight.cols, "weight");
   }
+
+  // ---- the sweep -----------------------------------------------------------
 
   // Runs body(chunk) over the tokens with the workspace laid out for this call.
   template <class I, class Body>
@@ -286,29 +361,45 @@ class engine {
     if (n == 0) return;
     const auto plan = plan_for(n, in.hidden.cols, in.weight.rows);
     auto* base = static_cast<char*>(workspace_.reserve(backend_, plan.bytes));
+    const auto at = [base](std::size_t offset) { return static_cast<void*>(base + offset); };
+    const std::int64_t h = in.hidden.cols;
+    const bool sp = sequence_parallel();
+
     chunk<I> c;
     c.weight = in.weight;
-    c.weight_block = base + plan.weight_block;
-    c.partials = reinterpret_cast<row_partial<A>*>(base + plan.partials);
-    c.gathered = reinterpret_cast<row_partial<A>*>(base + plan.gathered);
-    c.row_base = reinterpret_cast<A*>(base + plan.rows);
+    c.weight_block = at(plan.weight_block);
+    c.partials = static_cast<row_partial<A>*>(at(plan.partials));
+    c.gathered = static_cast<row_partial<A>*>(at(plan.gathered));
+    c.row_base = static_cast<A*>(at(plan.rows));
     c.row_stride = plan.chunk;
-    A* const logits = reinterpret_cast<A*>(base + plan.logits);
-    A* const hidden_stage = reinterpret_cast<A*>(base + plan.hidden_stage);
-    A* const grad_hidden_stage = reinterpret_cast<A*>(base + plan.grad_hidden_stage);
-    const std::int64_t h = in.hidden.cols;
-    for (std::int64_t first = 0; first < n; first += plan.chunk) {
-      c.first = first;
-      c.rows = std::min(plan.chunk, n - first);
-      c.targets = in.targets.slice(first, c.rows);
+    c.grad_hidden_local = static_cast<A*>(at(plan.grad_hidden_local));
+    c.segments = sp ? comm_.size() : 1;
+    c.local_tokens = in.hidden.rows;
+    A* const logits = static_cast<A*>(at(plan.logits));
+    A* const grad_hidden_stage = static_cast<A*>(at(plan.grad_hidden_stage));
+    I* const gathered_targets = static_cast<I*>(at(plan.targets));
+
+    for (std::int64_t first = 0; first < in.hidden.rows; first += plan.local_chunk) {
+      c.local_first = first;
+      c.segment_rows = std::min(plan.local_chunk, in.hidden.rows - first);
+      c.rows = c.segment_rows * c.segments;
       c.logits = {logits, c.rows, in.weight.rows, plan.logits_ld};
       c.grad_hidden_stage = {grad_hidden_stage, c.rows, h, h};
-      c.hidden = stage_hidden(in.hidden.rows_slice(first, c.rows), hidden_stage);
+      if (sp) {
+        for (int s = 0; s < c.segments; ++s)
+          backend_.copy(in.targets.slice(c.token_of_segment(s), c.segment_rows),
+                        vector_view<I>{gathered_targets + s * c.segment_rows, c.segment_rows});
+        c.targets = {gathered_targets, c.rows};
+        c.hidden = gather_hidden(in.hidden.rows_slice(first, c.segment_rows), plan, base);
+      } else {
+        c.targets = in.targets.slice(first, c.rows);
+        c.hidden = widen_hidden(in.hidden.rows_slice(first, c.rows), static_cast<A*>(at(plan.hidden_stage)));
+      }
       body(c);
     }
   }
 
-  matrix_view<const A> stage_hidden(matrix_view<const T> rows, A* stage) {
+  matrix_view<const A> widen_hidden(matrix_view<const T> rows, A* stage) {
     if constexpr (std::same_as<T, A>) {
       return rows;
     } else {
@@ -318,14 +409,38 @@ class engine {
     }
   }
 
+  // Sequence parallel: this rank's rows of the chunk, packed, gathered from
+  // every rank in rank order, then widened.
+  matrix_view<const A> gather_hidden(matrix_view<const T> local, const workspace_plan<A>& plan, char* base) {
+    const std::int64_t h = local.cols;
+    matrix_view<T> send{reinterpret_cast<T*>(base + plan.hidden_send), local.rows, h, h};
+    matrix_view<T> gathered{reinterpret_cast<T*>(base + plan.hidden_gather), local.rows * comm_.size(), h, h};
+    backend_.copy(local, send);
+    comm_.all_gather_bytes(send.data, gathered.data, static_cast<std::size_t>(local.rows * h) * sizeof(T));
+    return widen_hidden(matrix_view<const T>(gathered), reinterpret_cast<A*>(base + plan.hidden_stage));
+  }
+
+  // Per-token values between the caller's [N] vectors and the chunk's row arrays.
+  template <class I, class R>
+  void gather_rows(const chunk<I>& c, vector_view<const R> source, row_array which) {
+    for (int s = 0; s < c.segments; ++s)
+      backend_.copy(source.slice(c.token_of_segment(s), c.segment_rows),
+                    vector_view<A>{c.row(which) + s * c.segment_rows, c.segment_rows});
+  }
+  template <class I, class R>
+  void scatter_rows(const chunk<I>& c, row_array which, vector_view<R> target) {
+    for (int s = 0; s < c.segments; ++s)
+      backend_.copy(vector_view<const A>{c.row(which) + s * c.segment_rows, c.segment_rows},
+                    target.slice(c.token_of_segment(s), c.segment_rows));
+  }
+
   // Logits of the chunk, their row statistics, combined over ranks, then
   // log-prob, lse and entropy per row into the chunk's row arrays.
   template <class I>
   void forward_statistics(const chunk<I>& c, bool with_entropy, bool keep_exp) {
     backend_.logits(c.hidden, c.weight, alpha(), c.logits, c.weight_block);
-    statistics_args<A, I> statistics{c.logits,         c.targets,  options_.vocab_start, options_.ignore_index,
-                                     softcap(),        with_entropy, keep_exp,           c.partials};
-    backend_.row_statistics(statistics);
+    backend_.row_statistics(statistics_args<A, I>{c.logits, c.targets, options_.vocab_start, options_.ignore_index,
+                                                  softcap(), with_entropy, keep_exp, c.partials});
     const row_partial<A>* merged = c.partials;
     if (comm_.size() > 1) {
       // One collective per chunk: every rank's partials, merged locally in rank order.
@@ -333,9 +448,9 @@ class engine {
       backend_.merge_partials(c.gathered, comm_.size(), c.rows, c.gathered);
       merged = c.gathered;
     }
-    finalize_args<A, I> results{merged, c.targets, options_.ignore_index, c.row(row_logprobs), c.row(row_lse),
-                                with_entropy ? c.row(row_entropy) : nullptr};
-    backend_.finalize_rows(results, c.rows);
+    backend_.finalize_rows(finalize_args<A, I>{merged, c.targets, options_.ignore_index, c.row(row_logprobs),
+                                               c.row(row_lse), with_entropy ? c.row(row_entropy) : nullptr},
+                           c.rows);
   }
 
   template <class I>
@@ -359,9 +474,8 @@ class engine {
       return grad_weight;
     } else {
       const std::int64_t rows = grad_weight.rows, cols = grad_weight.cols;
-      if (rows == 0 || cols == 0) return {nullptr, rows, cols, cols};
-      auto* data = static_cast<A*>(weight_gradient_.reserve(backend_, static_cast<std::size_t>(rows * cols) * sizeof(A)));
-      matrix_view<A> accumulator{data, rows, cols, cols};
+      const auto bytes = static_cast<std::size_t>(rows * cols) * sizeof(A);
+      matrix_view<A> accumulator{static_cast<A*>(weight_gradient_.reserve(backend_, bytes)), rows, cols, cols};
       backend_.fill_zero(accumulator);
       return accumulator;
     }
@@ -369,36 +483,46 @@ class engine {
 
   template <class GW>
   void end_weight_gradient(const matrix_view<A>& accumulator, const matrix_view<GW>& grad_weight) {
-    if constexpr (!std::same_as<GW, A>) {
-      if (accumulator.data) backend_.add(matrix_view<const A>(accumulator), grad_weight);
-    }
+    if constexpr (!std::same_as<GW, A>) backend_.add(matrix_view<const A>(accumulator), grad_weight);
   }
 
-  // dz (in the logit block) -> dX rows (reduced over ranks) and dW.
+  // dz (in the logit block) -> this rank's dX rows (summed over the ranks'
+  // vocabulary shards, in the compute type) and dW.
   template <class I, class GX>
   void propagate(const chunk<I>& c, const matrix_view<GX>& grad_hidden, const matrix_view<A>& weight_gradient) {
     const matrix_view<const A> dz = c.logits;
-    const auto out = grad_hidden.rows_slice(c.first, c.rows);
-    bool written = false;
+    const auto out = grad_hidden.rows_slice(c.local_first, c.segment_rows);
     if constexpr (std::same_as<GX, A>) {
       if (comm_.size() == 1) {
         backend_.grad_hidden(dz, c.weight, alpha(), out, c.weight_block);
-        written = true;
+        backend_.grad_weight(dz, c.hidden, alpha(), weight_gradient);
+        return;
       }
     }
-    if (!written) {
-      backend_.grad_hidden(dz, c.weight, alpha(), c.grad_hidden_stage, c.weight_block);
-      if (comm_.size() > 1) comm_.all_reduce_sum(c.grad_hidden_stage.data, c.rows * c.grad_hidden_stage.cols);
-      backend_.copy(matrix_view<const A>(c.grad_hidden_stage), out);
+    const auto stage = c.grad_hidden_stage;
+    backend_.grad_hidden(dz, c.weight, alpha(), stage, c.weight_block);
+    if (sequence_parallel()) {
+      const std::int64_t h = stage.cols;
+      comm_.reduce_scatter_sum(stage.data, c.grad_hidden_local, c.segment_rows * h);
+      backend_.copy(matrix_view<const A>{c.grad_hidden_local, c.segment_rows, h, h}, out);
+    } else {
+      if (comm_.size() > 1) comm_.all_reduce_sum(stage.data, c.rows * stage.cols);
+      backend_.copy(matrix_view<const A>(stage), out);
     }
     backend_.grad_weight(dz, c.hidden, alpha(), weight_gradient);
   }
+
+  struct shard_cache {
+    std::int64_t vocab_local = -1;  // this rank's rows when the shards were last checked
+    std::int64_t vocab = 0;         // the whole vocabulary then
+  };
 
   Comm comm_;
   options options_;
   Backend backend_;
   scratch<Backend> workspace_;
   scratch<Backend> weight_gradient_;
+  shard_cache shards_;
 };
 
 }  // namespace detail
