@@ -16,3 +16,4 @@
 #include <lce/core/options.hpp>
 #include <lce/core/views.hpp>
 #include <lce/host/host.hpp>
+#include <lce/loss/token_count.hpp>
