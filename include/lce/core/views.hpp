@@ -28,9 +28,9 @@ struct matrix_view {
     return {data + first * ld, count, cols, ld};
   }
   // Implicit view-of-const, as T* converts to const T*.
-  constexpr operator matrix_view<const T>() const
-    requires(!std::is_const_v<T>)
-  {
+  template <class U>
+    requires(std::is_same_v<U, const T> && !std::is_const_v<T>)
+  constexpr operator matrix_view<U>() const {
     return {data, rows, cols, ld};
   }
 };
@@ -45,9 +45,9 @@ struct vector_view {
   LCE_HOST_DEVICE constexpr vector_view slice(std::int64_t first, std::int64_t count) const {
     return {data + first, count};
   }
-  constexpr operator vector_view<const T>() const
-    requires(!std::is_const_v<T>)
-  {
+  template <class U>
+    requires(std::is_same_v<U, const T> && !std::is_const_v<T>)
+  constexpr operator vector_view<U>() const {
     return {data, size};
   }
 };

@@ -1,0 +1,129 @@
+#pragma once
+// lce::comm::nccl: an NCCL communicator (CMake target lce::nccl).
+//
+//   lce::comm::nccl comm{nccl_comm, stream};
+//
+// Data collectives are enqueued on `stream` and act on device memory; the
+// two control collectives (all_agree, all_gather_host) take host values,
+// stage them through a small device buffer and synchronise the stream. The
+// operator neither owns nor destroys the ncclComm_t or the stream.
+
+#include <lce/comm/communicator.hpp>
+#include <lce/core/backend.hpp>
+#include <lce/core/config.hpp>
+#include <lce/core/error.hpp>
+#include <lce/cuda/error.cuh>
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <type_traits>
+
+LCE_BEGIN_NAMESPACE
+namespace detail {
+
+inline void check_nccl(ncclResult_t status, const char* call, const char* file, int line) {
+  if (status == ncclSuccess) return;
+  fail("NCCL: ", call, " failed: ", ncclGetErrorString(status), " at ", file, ":", line);
+}
+
+}  // namespace detail
+LCE_END_NAMESPACE
+
+#define LCE_NCCL_TRY(call) ::lce::detail::check_nccl((call), #call, __FILE__, __LINE__)
+
+LCE_BEGIN_NAMESPACE
+namespace comm {
+
+class nccl {
+ public:
+  using memory_space = device_memory;
+
+  nccl(ncclComm_t comm, cudaStream_t stream) : comm_(comm), stream_(stream), staging_(std::make_shared<staging>()) {
+    LCE_NCCL_TRY(ncclCommUserRank(comm_, &rank_));
+    LCE_NCCL_TRY(ncclCommCount(comm_, &size_));
+  }
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  ncclComm_t handle() const { return comm_; }
+  cudaStream_t stream() const { return stream_; }
+
+  void all_gather_bytes(const void* send, void* receive, std::size_t bytes) const {
+    LCE_NCCL_TRY(ncclAllGather(send, receive, bytes, ncclUint8, comm_, stream_));
+  }
+
+  template <class A>
+  void all_reduce_sum(A* data, std::int64_t count) const {
+    LCE_NCCL_TRY(ncclAllReduce(data, data, static_cast<std::size_t>(count), type_of<A>(), ncclSum, comm_, stream_));
+  }
+
+  template <class A>
+  void reduce_scatter_sum(const A* send, A* receive, std::int64_t count) const {
+    LCE_NCCL_TRY(
+        ncclReduceScatter(send, receive, static_cast<std::size_t>(count), type_of<A>(), ncclSum, comm_, stream_));
+  }
+
+  void all_gather_host(const std::int64_t* send, std::int64_t* receive, std::int64_t count) const {
+    const auto bytes = static_cast<std::size_t>(count) * sizeof(std::int64_t);
+    auto* device = static_cast<char*>(staging_->reserve(bytes * static_cast<std::size_t>(size_ + 1)));
+    LCE_CUDA_TRY(cudaMemcpyAsync(device, send, bytes, cudaMemcpyHostToDevice, stream_));
+    LCE_NCCL_TRY(ncclAllGather(device, device + bytes, bytes, ncclUint8, comm_, stream_));
+    LCE_CUDA_TRY(cudaMemcpyAsync(receive, device + bytes, bytes * static_cast<std::size_t>(size_),
+                                 cudaMemcpyDeviceToHost, stream_));
+    LCE_CUDA_TRY(cudaStreamSynchronize(stream_));
+  }
+
+  bool all_agree(bool flag) const {
+    auto* device = static_cast<std::int32_t*>(staging_->reserve(sizeof(std::int32_t)));
+    std::int32_t value = flag ? 1 : 0;
+    LCE_CUDA_TRY(cudaMemcpyAsync(device, &value, sizeof value, cudaMemcpyHostToDevice, stream_));
+    LCE_NCCL_TRY(ncclAllReduce(device, device, 1, ncclInt32, ncclMin, comm_, stream_));
+    LCE_CUDA_TRY(cudaMemcpyAsync(&value, device, sizeof value, cudaMemcpyDeviceToHost, stream_));
+    LCE_CUDA_TRY(cudaStreamSynchronize(stream_));
+    return value != 0;
+  }
+
+ private:
+  template <class A>
+  static ncclDataType_t type_of() {
+    static_assert(std::is_same_v<A, float> || std::is_same_v<A, double>, "sums are over float or double");
+    return std::is_same_v<A, float> ? ncclFloat32 : ncclFloat64;
+  }
+
+  // A small device buffer for the control collectives, shared by copies.
+  struct staging {
+    void* data = nullptr;
+    std::size_t bytes = 0;
+    staging() = default;
+    staging(const staging&) = delete;
+    staging& operator=(const staging&) = delete;
+    ~staging() {
+      if (data) cudaFree(data);
+    }
+    void* reserve(std::size_t wanted) {
+      if (wanted > bytes) {
+        if (data) LCE_CUDA_TRY(cudaFree(data));
+        data = nullptr;
+        bytes = 0;
+        LCE_CUDA_TRY(cudaMalloc(&data, wanted));
+        bytes = wanted;
+      }
+      return data;
+    }
+  };
+
+  ncclComm_t comm_;
+  cudaStream_t stream_;
+  int rank_ = 0;
+  int size_ = 1;
+  std::shared_ptr<staging> staging_;
+};
+
+static_assert(communicator<nccl>);
+
+}  // namespace comm
+LCE_END_NAMESPACE
