@@ -59,14 +59,15 @@ struct gradient_args {
   A soft_cap = 0;
   const A* lse = nullptr;            // [rows]
   const A* grad_logprobs = nullptr;  // [rows]
-  const A* grad_entropy = nullptr;   // [rows] or null
-  const A* expected_logit = nullptr; // [rows] E_p[z]; needed with grad_entropy
+  const A* grad_entropy = nullptr;        // [rows] or null
+  const A* mean_centred_logit = nullptr;  // [rows] E_p[z] - lse; needed with grad_entropy
   const detail::row_partial<A>* exp_row_max = nullptr;  // [rows] or null: see above
 };
 
-// sum_v p z over this rank's vocabulary, p = exp(z - lse): a share of E_p[z].
+// sum_v p (z - lse) over this rank's vocabulary, p = exp(z - lse): its
+// share of E_p[z] - lse (= -entropy), which the entropy gradient needs.
 template <class A, class I>
-struct expected_logit_args {
+struct mean_centred_logit_args {
   matrix_view<const A> logits;     // soft-capped if a soft-cap is set
   vector_view<const I> targets;    // rows whose target is ignored give 0
   std::int64_t ignore_index = -100;
@@ -82,7 +83,7 @@ concept backend =
              matrix_view<const bfloat16> wmat, matrix_view<bfloat16> out_half, vector_view<const double> cvec,
              vector_view<float> vec, statistics_args<float, std::int64_t> statistics,
              finalize_args<float, std::int32_t> finalize, gradient_args<float, std::int64_t> gradient,
-             expected_logit_args<float, std::int32_t> expected, const detail::row_partial<float>* gathered, detail::row_partial<float>* merged,
+             mean_centred_logit_args<float, std::int32_t> mean_centred, const detail::row_partial<float>* gathered, detail::row_partial<float>* merged,
              std::int64_t count, int ranks, float alpha) {
       // Workspace: 64-byte aligned, allocated before a sweep, never inside it.
       { b.allocate(bytes) } -> std::same_as<void*>;
@@ -104,7 +105,7 @@ concept backend =
       b.merge_partials(gathered, ranks, count, merged);
       b.finalize_rows(finalize, count);
       b.logit_gradients(gradient);
-      b.expected_logits(expected);
+      b.mean_centred_logits(mean_centred);
     };
 
 LCE_END_NAMESPACE

@@ -158,10 +158,13 @@ LCE_HOST_DEVICE inline row_result<A> finalize(const row_partial<A>& row, bool ig
 
 // d(loss)/dz for one logit, from dz = g (1[v = y] - p) + h p (E_p[z] - z);
 // the g at the target column is added once per row by the caller, so no
-// one-hot is ever built.
+// one-hot is ever built. Logits enter centred on the row's lse
+// (`centred` = z - lse, `mean_centred` = E_p[z] - lse = -entropy): both are
+// of order one, whereas E_p[z] - z computed from logits near 1e4 would
+// cancel away most of fp32's digits.
 template <class P, class A>
-LCE_HOST_DEVICE LCE_ALWAYS_INLINE P logit_gradient(P p, P z, A grad_logprob, A grad_entropy, A expected_logit) {
-  return p * ((expected_logit - z) * grad_entropy - grad_logprob);
+LCE_HOST_DEVICE LCE_ALWAYS_INLINE P logit_gradient(P p, P centred, A grad_logprob, A grad_entropy, A mean_centred) {
+  return p * ((mean_centred - centred) * grad_entropy - grad_logprob);
 }
 
 }  // namespace detail

@@ -5,7 +5,7 @@
 // output), plan the workspace, then sweep the tokens one chunk at a time:
 //
 //   forward           logits GEMM -> row statistics -> [gather ranks] -> log-probs, lse, entropy
-//   backward          logits GEMM -> [E_p[z], summed over ranks] -> dz in place -> dX GEMM [reduced] -> dW GEMM
+//   backward          logits GEMM -> [E_p[z] - lse, summed over ranks] -> dz in place -> dX GEMM [reduced] -> dW GEMM
 //   forward_backward  logits GEMM -> statistics keeping exp -> [gather] -> dz by row scaling -> dX, dW
 //
 // Under sequence parallelism each chunk gathers a slice of every rank's
@@ -152,13 +152,13 @@ class engine {
       gather_rows(c, grad_logprobs, row_grad_logprobs);
       if (with_entropy) {
         gather_rows(c, grad_entropy, row_grad_entropy);
-        backend_.expected_logits(expected_logit_args<A, I_>{c.logits, c.targets, options_.ignore_index,
-                                                            c.row(row_lse), c.row(row_expected)});
-        if (comm_.size() > 1) comm_.all_reduce_sum(c.row(row_expected), c.rows);
+        backend_.mean_centred_logits(mean_centred_logit_args<A, I_>{c.logits, c.targets, options_.ignore_index,
+                                                                    c.row(row_lse), c.row(row_mean_centred)});
+        if (comm_.size() > 1) comm_.all_reduce_sum(c.row(row_mean_centred), c.rows);
       }
       auto args = gradient_base(c);
       args.grad_entropy = with_entropy ? c.row(row_grad_entropy) : nullptr;
-      args.expected_logit = with_entropy ? c.row(row_expected) : nullptr;
+      args.mean_centred_logit = with_entropy ? c.row(row_mean_centred) : nullptr;
       backend_.logit_gradients(args);
       propagate(c, grad_hidden, weight_gradient);
     });
@@ -235,7 +235,7 @@ class engine {
     shape.widen_hidden = !std::same_as<T, A>;
     shape.sequence_parallel = sequence_parallel();
     shape.storage_bytes = sizeof(T);
-    shape.weight_block_elements = Backend::template weight_block_elements<T>(hidden, vocab_local);
+    shape.weight_block_elements = backend_.template weight_block_elements<T>(hidden, vocab_local);
     return shape;
   }
 

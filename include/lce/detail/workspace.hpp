@@ -33,7 +33,7 @@ struct workspace_shape {
 };
 
 // Per-chunk arrays of one value per row, in compute type.
-enum row_array : int { row_lse, row_logprobs, row_entropy, row_grad_logprobs, row_grad_entropy, row_expected, row_arrays };
+enum row_array : int { row_lse, row_logprobs, row_entropy, row_grad_logprobs, row_grad_entropy, row_mean_centred, row_arrays };
 
 template <class A>
 struct workspace_plan {

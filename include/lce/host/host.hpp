@@ -44,42 +44,72 @@ class host {
   void* allocate(std::size_t bytes) { return ::operator new(bytes, std::align_val_t{alignment}); }
   void deallocate(void* pointer, std::size_t) { ::operator delete(pointer, std::align_val_t{alignment}); }
 
-  // ---- GEMMs ---------------------------------------------------------------
-  // A 2-byte weight is widened to fp32 one block of vocabulary rows at a
-  // time (CBLAS has no 2-byte GEMM); the block stays in cache for its GEMM.
+  // ---- GEMMs ----------------------------------------------------------------
+  // Each GEMM is split into tiles that depend on the shapes only and run on
+  // this backend's threads, each tile one single-threaded BLAS call: the
+  // result is the same whatever the thread counts (lce's or the BLAS's). A
+  // 2-byte weight is widened to fp32 one tile at a time (CBLAS has no 2-byte
+  // GEMM), into a per-thread block that stays in cache for its GEMM.
 
   template <storage_type T>
-  static constexpr std::int64_t weight_block_elements(std::int64_t hidden, std::int64_t vocab_local) {
+  std::int64_t weight_block_elements(std::int64_t hidden, std::int64_t vocab_local) const {
     if constexpr (!half_precision<T>) {
       return 0;
     } else {
-      return std::min(weight_block_rows(hidden), std::max<std::int64_t>(vocab_local, 1)) * hidden;
+      return threads() * std::min(vocab_tile_rows(hidden), std::max<std::int64_t>(vocab_local, 1)) * hidden;
     }
   }
 
-  // out = alpha x w^T
+  // out = alpha x w^T, tiled over vocabulary rows.
   template <class A, class T>
   void logits(matrix_view<const A> x, matrix_view<const T> w, A alpha, matrix_view<A> out, void* weight_block) {
-    for_weight_blocks(w, weight_block, [&](std::int64_t first, const A* block, std::int64_t rows, std::int64_t ld) {
-      detail::gemm(detail::transpose::no, detail::transpose::yes, x.rows, rows, x.cols, alpha, x.data, x.ld, block,
-                   ld, A(0), out.data + first, out.ld);
+    const std::int64_t tile = vocab_tile_rows(w.cols);
+    detail::single_threaded_blas scope;
+    for_tiles(ceil_div(w.rows, tile), [&](std::int64_t t, int part) {
+      const std::int64_t first = t * tile, rows = std::min(tile, w.rows - first);
+      const auto block = widened(w.rows_slice(first, rows), weight_block, part, w.cols);
+      detail::gemm(detail::transpose::no, detail::transpose::yes, x.rows, rows, x.cols, alpha, x.data, x.ld,
+                   block.data, block.ld, A(0), out.data + first, out.ld);
     });
   }
 
-  // dx = alpha dz w   (overwrites dx)
+  // dx = alpha dz w (overwrites dx), tiled over halves of dx's rows and columns.
   template <class A, class T>
   void grad_hidden(matrix_view<const A> dz, matrix_view<const T> w, A alpha, matrix_view<A> dx, void* weight_block) {
-    for_weight_blocks(w, weight_block, [&](std::int64_t first, const A* block, std::int64_t rows, std::int64_t ld) {
-      detail::gemm(detail::transpose::no, detail::transpose::no, dz.rows, w.cols, rows, alpha, dz.data + first, dz.ld,
-                   block, ld, first == 0 ? A(0) : A(1), dx.data, dx.ld);
+    const std::int64_t row_tile = dx.rows >= 64 ? ceil_div(dx.rows, 2) : std::max<std::int64_t>(dx.rows, 1);
+    const std::int64_t col_tile = dx.cols >= 64 ? round_up(ceil_div(dx.cols, 2), 16) : dx.cols;
+    const std::int64_t col_tiles = ceil_div(dx.cols, col_tile);
+    detail::single_threaded_blas scope;
+    for_tiles(ceil_div(dx.rows, row_tile) * col_tiles, [&](std::int64_t t, int part) {
+      const std::int64_t r0 = t / col_tiles * row_tile, rows = std::min(row_tile, dx.rows - r0);
+      const std::int64_t c0 = t % col_tiles * col_tile, cols = std::min(col_tile, dx.cols - c0);
+      if constexpr (!half_precision<T>) {
+        detail::gemm(detail::transpose::no, detail::transpose::no, rows, cols, w.rows, alpha, dz.row(r0), dz.ld,
+                     w.data + c0, w.ld, A(0), dx.row(r0) + c0, dx.ld);
+      } else {
+        // Widen the weight's column tile block by block of vocabulary rows; dx sums over the blocks in order.
+        const std::int64_t block_rows = std::max<std::int64_t>(1, vocab_tile_rows(w.cols) * w.cols / cols);
+        for (std::int64_t v0 = 0; v0 < w.rows; v0 += block_rows) {
+          const std::int64_t vrows = std::min(block_rows, w.rows - v0);
+          const auto block =
+              widened(matrix_view<const T>{w.row(v0) + c0, vrows, cols, w.ld}, weight_block, part, w.cols);
+          detail::gemm(detail::transpose::no, detail::transpose::no, rows, cols, vrows, alpha, dz.row(r0) + v0,
+                       dz.ld, block.data, block.ld, v0 == 0 ? A(0) : A(1), dx.row(r0) + c0, dx.ld);
+        }
+      }
     });
   }
 
-  // dw += alpha dz^T x
+  // dw += alpha dz^T x, tiled over vocabulary rows.
   template <class A>
   void grad_weight(matrix_view<const A> dz, matrix_view<const A> x, A alpha, matrix_view<A> dw) {
-    detail::gemm(detail::transpose::yes, detail::transpose::no, dz.cols, x.cols, dz.rows, alpha, dz.data, dz.ld,
-                 x.data, x.ld, A(1), dw.data, dw.ld);
+    const std::int64_t tile = vocab_tile_rows(x.cols);
+    detail::single_threaded_blas scope;
+    for_tiles(ceil_div(dz.cols, tile), [&](std::int64_t t, int) {
+      const std::int64_t first = t * tile, rows = std::min(tile, dz.cols - first);
+      detail::gemm(detail::transpose::yes, detail::transpose::no, rows, x.cols, dz.rows, alpha, dz.data + first, dz.ld,
+                   x.data, x.ld, A(1), dw.row(first), dw.ld);
+    });
   }
 
   // ---- element conversions -------------------------------------------------
@@ -154,10 +184,10 @@ class host {
   }
 
   template <class A, class I>
-  void expected_logits(const expected_logit_args<A, I>& args) {
+  void mean_centred_logits(const mean_centred_logit_args<A, I>& args) {
     for_rows(args.logits.rows, [&](std::int64_t r) {
       const bool ignored = args.targets[r] == args.ignore_index;
-      args.out[r] = ignored ? A(0) : detail::expected_logit_row(args.logits.row(r), args.logits.cols, args.lse[r]);
+      args.out[r] = ignored ? A(0) : detail::mean_centred_logit_row(args.logits.row(r), args.logits.cols, args.lse[r]);
     });
   }
 
@@ -179,7 +209,7 @@ class host {
       if (args.exp_row_max) {
         detail::scale_row(row, n, -g * std::exp(args.exp_row_max[r].max - args.lse[r]));
       } else {
-        dispatch_gradient_row(row, n, args.lse[r], g, h, args.expected_logit ? args.expected_logit[r] : A(0),
+        dispatch_gradient_row(row, n, args.lse[r], g, h, args.mean_centred_logit ? args.mean_centred_logit[r] : A(0),
                               inverse_cap, args.grad_entropy != nullptr, capped);
       }
       if (target >= 0) row[target] += g * target_slope;
@@ -187,31 +217,39 @@ class host {
   }
 
  private:
-  static constexpr std::int64_t weight_block_rows(std::int64_t hidden) {
-    constexpr std::int64_t block_elements = std::int64_t{1} << 19;  // 2 MiB of fp32: stays in L2
-    return std::max<std::int64_t>(16, block_elements / std::max<std::int64_t>(hidden, 1));
+  static constexpr std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+  static constexpr std::int64_t round_up(std::int64_t a, std::int64_t b) { return ceil_div(a, b) * b; }
+
+  // Vocabulary rows per GEMM tile: about 512 KiB of fp32 weight, so that a
+  // widened tile and its logits stay in cache, and enough tiles to share.
+  static constexpr std::int64_t vocab_tile_rows(std::int64_t hidden) {
+    return std::clamp<std::int64_t>(round_up((std::int64_t{1} << 17) / std::max<std::int64_t>(hidden, 1), 16), 16,
+                                    4096);
   }
 
-  // body(first_row, block, rows, ld) over the weight in compute type: the
-  // weight itself when no widening is needed, else widened blocks.
-  template <class T, class Body>
-  void for_weight_blocks(matrix_view<const T> w, void* scratch, Body&& body) {
+  // The weight rows of a tile in compute type: themselves, or widened into
+  // this thread's part of the scratch.
+  template <class T>
+  static auto widened(matrix_view<const T> rows, void* scratch, int part, std::int64_t hidden) {
     if constexpr (!half_precision<T>) {
-      body(std::int64_t{0}, w.data, w.rows, w.ld);
+      return rows;
     } else {
-      float* block = static_cast<float*>(scratch);
-      const std::int64_t step = weight_block_rows(w.cols);
-      for (std::int64_t first = 0; first < w.rows; first += step) {
-        const std::int64_t rows = std::min(step, w.rows - first);
-        copy(w.rows_slice(first, rows), matrix_view<float>{block, rows, w.cols});
-        body(first, static_cast<const float*>(block), rows, w.cols);
-      }
+      float* block = static_cast<float*>(scratch) + part * vocab_tile_rows(hidden) * hidden;
+      for (std::int64_t r = 0; r < rows.rows; ++r) detail::convert_span(rows.row(r), block + r * rows.cols, rows.cols);
+      return matrix_view<const float>{block, rows.rows, rows.cols, rows.cols};
     }
   }
 
   template <class Body>
+  void for_tiles(std::int64_t tiles, Body&& body) {
+    pool_->parallel_for(tiles, [&](std::int64_t begin, std::int64_t end, int part) {
+      for (std::int64_t t = begin; t < end; ++t) body(t, part);
+    });
+  }
+
+  template <class Body>
   void for_rows(std::int64_t rows, Body&& body) {
-    pool_->parallel_for(rows, [&](std::int64_t begin, std::int64_t end) {
+    pool_->parallel_for(rows, [&](std::int64_t begin, std::int64_t end, int) {
       for (std::int64_t r = begin; r < end; ++r) body(r);
     });
   }
@@ -223,14 +261,14 @@ class host {
   }
 
   template <class A>
-  static void dispatch_gradient_row(A* row, std::int64_t n, A lse, A g, A h, A expected, A inverse_cap,
+  static void dispatch_gradient_row(A* row, std::int64_t n, A lse, A g, A h, A mean_centred, A inverse_cap,
                                     bool with_entropy, bool capped) {
     if (with_entropy) {
-      capped ? detail::gradient_row<A, true, true>(row, n, lse, g, h, expected, inverse_cap)
-             : detail::gradient_row<A, true, false>(row, n, lse, g, h, expected, inverse_cap);
+      capped ? detail::gradient_row<A, true, true>(row, n, lse, g, h, mean_centred, inverse_cap)
+             : detail::gradient_row<A, true, false>(row, n, lse, g, h, mean_centred, inverse_cap);
     } else {
-      capped ? detail::gradient_row<A, false, true>(row, n, lse, g, h, expected, inverse_cap)
-             : detail::gradient_row<A, false, false>(row, n, lse, g, h, expected, inverse_cap);
+      capped ? detail::gradient_row<A, false, true>(row, n, lse, g, h, mean_centred, inverse_cap)
+             : detail::gradient_row<A, false, false>(row, n, lse, g, h, mean_centred, inverse_cap);
     }
   }
 

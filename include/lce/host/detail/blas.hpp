@@ -9,11 +9,51 @@
 
 #include <climits>
 #include <cstdint>
+#include <mutex>
 
 LCE_BEGIN_NAMESPACE
 namespace detail {
 
 enum class transpose : bool { no = false, yes = true };
+
+// A threaded BLAS GEMM gives different bits for different thread counts
+// (OpenBLAS splits tiles differently). lce therefore splits every GEMM into
+// tiles fixed by the shapes alone, runs them on its own threads, and asks
+// the BLAS for one thread per call while an lce call is running. Nested and
+// concurrent lce calls share one scope; the caller's setting comes back when
+// the last one ends. BLAS libraries without a run-time switch are left as
+// they are (then set their threads to 1 for bitwise reproducibility).
+class single_threaded_blas {
+ public:
+  single_threaded_blas() {
+#ifdef OPENBLAS_VERSION
+    std::lock_guard lock(state().mutex);
+    if (state().users++ == 0) {
+      state().saved_threads = openblas_get_num_threads();
+      if (state().saved_threads != 1) openblas_set_num_threads(1);
+    }
+#endif
+  }
+  ~single_threaded_blas() {
+#ifdef OPENBLAS_VERSION
+    std::lock_guard lock(state().mutex);
+    if (--state().users == 0 && state().saved_threads != 1) openblas_set_num_threads(state().saved_threads);
+#endif
+  }
+  single_threaded_blas(const single_threaded_blas&) = delete;
+  single_threaded_blas& operator=(const single_threaded_blas&) = delete;
+
+ private:
+  struct shared_state {
+    std::mutex mutex;
+    int users = 0;
+    int saved_threads = 1;
+  };
+  static shared_state& state() {
+    static shared_state instance;
+    return instance;
+  }
+};
 
 inline int blas_int(std::int64_t value, const char* what) {
   expects(value <= INT_MAX, what, " = ", value, " exceeds the BLAS integer range (", INT_MAX, ")");

@@ -82,19 +82,26 @@ A exp_in_place_row(A* z, std::int64_t n, A max) {
   return reduce_row(z, n, A(0), [](auto v) { return v; }, plus);
 }
 
-// sum p z with p = exp(z - lse): this rank's share of E_p[z].
+// sum p (z - lse) with p = exp(z - lse): this rank's share of E_p[z] - lse.
 template <class A>
-A expected_logit_row(const A* z, std::int64_t n, A lse) {
-  return reduce_row(z, n, A(0), [=](auto v) { return fast_exp(v - lse) * v; }, plus);
+A mean_centred_logit_row(const A* z, std::int64_t n, A lse) {
+  return reduce_row(
+      z, n, A(0),
+      [=](auto v) {
+        const auto centred = v - lse;
+        return fast_exp(centred) * centred;
+      },
+      plus);
 }
 
 // z -> dL/dz (before the target's +g), chained through the soft-cap when
 // WithSoftCap (z is then the capped logit).
 template <class A, bool WithEntropy, bool WithSoftCap>
-void gradient_row(A* z, std::int64_t n, A lse, A grad_logprob, A grad_entropy, A expected_logit, A inverse_cap) {
+void gradient_row(A* z, std::int64_t n, A lse, A grad_logprob, A grad_entropy, A mean_centred, A inverse_cap) {
   transform_row(z, n, [=](auto logit) {
-    const auto p = fast_exp(logit - lse);
-    auto d = WithEntropy ? logit_gradient(p, logit, grad_logprob, grad_entropy, expected_logit) : p * -grad_logprob;
+    const auto centred = logit - lse;
+    const auto p = fast_exp(centred);
+    auto d = WithEntropy ? logit_gradient(p, centred, grad_logprob, grad_entropy, mean_centred) : p * -grad_logprob;
     if constexpr (WithSoftCap) d = d * soft_cap_slope(logit, inverse_cap);
     return d;
   });

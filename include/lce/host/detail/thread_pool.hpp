@@ -40,13 +40,15 @@ class thread_pool {
 
   int size() const { return size_; }
 
-  // Calls body(begin, end) over a partition of [0, count); returns when all are done.
+  // Calls body(begin, end, part) over a partition of [0, count) into at most
+  // size() parts, part in [0, size()) naming the thread's share (for
+  // per-thread scratch); returns when all are done.
   template <class Body>
   void parallel_for(std::int64_t count, Body&& body) {
     if (count <= 0) return;
     const int used = count < size_ ? static_cast<int>(count) : size_;
     if (used == 1) {
-      body(std::int64_t{0}, count);
+      body(std::int64_t{0}, count, 0);
       return;
     }
     {
@@ -63,21 +65,21 @@ class thread_pool {
 
  private:
   struct job {
-    void (*call)(void*, std::int64_t, std::int64_t) = nullptr;
+    void (*call)(void*, std::int64_t, std::int64_t, int) = nullptr;
     void* body = nullptr;
     std::int64_t count = 0;
     int parts = 0;
   };
 
   template <class Body>
-  static void invoke(void* body, std::int64_t begin, std::int64_t end) {
-    (*static_cast<Body*>(body))(begin, end);
+  static void invoke(void* body, std::int64_t begin, std::int64_t end, int part) {
+    (*static_cast<Body*>(body))(begin, end, part);
   }
 
   static void run_share(const job& work, int index) {
     const std::int64_t begin = work.count * index / work.parts;
     const std::int64_t end = work.count * (index + 1) / work.parts;
-    if (begin < end) work.call(work.body, begin, end);
+    if (begin < end) work.call(work.body, begin, end, index);
   }
 
   void work(int index) {
