@@ -56,7 +56,7 @@ class host {
     if constexpr (!half_precision<T>) {
       return 0;
     } else {
-      return threads() * std::min(vocab_tile_rows(hidden), std::max<std::int64_t>(vocab_local, 1)) * hidden;
+      return threads() * widening_block_elements(hidden, vocab_local);
     }
   }
 
@@ -67,7 +67,7 @@ class host {
     detail::single_threaded_blas scope;
     for_tiles(ceil_div(w.rows, tile), [&](std::int64_t t, int part) {
       const std::int64_t first = t * tile, rows = std::min(tile, w.rows - first);
-      const auto block = widened(w.rows_slice(first, rows), weight_block, part, w.cols);
+      const auto block = widened(w.rows_slice(first, rows), weight_block, part, w);
       detail::gemm(detail::transpose::no, detail::transpose::yes, x.rows, rows, x.cols, alpha, x.data, x.ld,
                    block.data, block.ld, A(0), out.data + first, out.ld);
     });
@@ -88,11 +88,11 @@ class host {
                      w.data + c0, w.ld, A(0), dx.row(r0) + c0, dx.ld);
       } else {
         // Widen the weight's column tile block by block of vocabulary rows; dx sums over the blocks in order.
-        const std::int64_t block_rows = std::max<std::int64_t>(1, vocab_tile_rows(w.cols) * w.cols / cols);
+        const std::int64_t block_rows = std::max<std::int64_t>(1, widening_block_elements(w.cols, w.rows) / cols);
         for (std::int64_t v0 = 0; v0 < w.rows; v0 += block_rows) {
           const std::int64_t vrows = std::min(block_rows, w.rows - v0);
           const auto block =
-              widened(matrix_view<const T>{w.row(v0) + c0, vrows, cols, w.ld}, weight_block, part, w.cols);
+              widened(matrix_view<const T>{w.row(v0) + c0, vrows, cols, w.ld}, weight_block, part, w);
           detail::gemm(detail::transpose::no, detail::transpose::no, rows, cols, vrows, alpha, dz.row(r0) + v0,
                        dz.ld, block.data, block.ld, v0 == 0 ? A(0) : A(1), dx.row(r0) + c0, dx.ld);
         }
@@ -227,14 +227,19 @@ class host {
                                     4096);
   }
 
+  // Each thread's share of the widening scratch: one tile of the weight.
+  static constexpr std::int64_t widening_block_elements(std::int64_t hidden, std::int64_t vocab_local) {
+    return std::min(vocab_tile_rows(hidden), std::max<std::int64_t>(vocab_local, 1)) * hidden;
+  }
+
   // The weight rows of a tile in compute type: themselves, or widened into
-  // this thread's part of the scratch.
+  // this thread's share of the scratch.
   template <class T>
-  static auto widened(matrix_view<const T> rows, void* scratch, int part, std::int64_t hidden) {
+  static auto widened(matrix_view<const T> rows, void* scratch, int part, const matrix_view<const T>& weight) {
     if constexpr (!half_precision<T>) {
       return rows;
     } else {
-      float* block = static_cast<float*>(scratch) + part * vocab_tile_rows(hidden) * hidden;
+      float* block = static_cast<float*>(scratch) + part * widening_block_elements(weight.cols, weight.rows);
       for (std::int64_t r = 0; r < rows.rows; ++r) detail::convert_span(rows.row(r), block + r * rows.cols, rows.cols);
       return matrix_view<const float>{block, rows.rows, rows.cols, rows.cols};
     }

@@ -1,0 +1,235 @@
+// Bounded memory: with N x V >= 2^28 logits (1 GiB in fp32), the bytes the op
+// allocates through operator new during forward / backward / forward_backward
+// must stay within workspace_bytes(N, H, V) (+ 64 KiB slack) — far below N x V.
+//
+// Every global operator new / delete is replaced by a counting version. Note:
+// allocations that bypass operator new (malloc, mmap, OpenBLAS's own buffers)
+// are not seen; the first test checks the op's scratch is seen at all.
+#define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
+#include <doctest/doctest.h>
+
+#include <lce/lce.hpp>
+
+#include <algorithm>
+#include <atomic>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <new>
+#include <vector>
+
+#include "support/reference.hpp"
+
+namespace counting {
+std::atomic<std::size_t> current{0}, peak{0}, total{0}, calls{0};
+
+void note_alloc(std::size_t n) {
+  const std::size_t now = current.fetch_add(n, std::memory_order_relaxed) + n;
+  total.fetch_add(n, std::memory_order_relaxed);
+  calls.fetch_add(1, std::memory_order_relaxed);
+  std::size_t p = peak.load(std::memory_order_relaxed);
+  while (now > p && !peak.compare_exchange_weak(p, now, std::memory_order_relaxed)) {
+  }
+}
+void note_free(std::size_t n) { current.fetch_sub(n, std::memory_order_relaxed); }
+
+constexpr std::size_t header = 16;  // == __STDCPP_DEFAULT_NEW_ALIGNMENT__ on x86-64
+
+void* alloc(std::size_t n) {
+  auto* raw = static_cast<unsigned char*>(std::malloc(n + header));
+  if (!raw) return nullptr;
+  *reinterpret_cast<std::size_t*>(raw) = n;
+  note_alloc(n);
+  return raw + header;
+}
+void release(void* p) {
+  if (!p) return;
+  auto* raw = static_cast<unsigned char*>(p) - header;
+  note_free(*reinterpret_cast<std::size_t*>(raw));
+  std::free(raw);
+}
+void* alloc_aligned(std::size_t n, std::align_val_t al) {
+  const std::size_t a = std::max<std::size_t>(static_cast<std::size_t>(al), header);
+  const std::size_t bytes = (n + a + a - 1) / a * a;
+  auto* raw = static_cast<unsigned char*>(std::aligned_alloc(a, bytes));
+  if (!raw) return nullptr;
+  *reinterpret_cast<std::size_t*>(raw + a - sizeof(std::size_t)) = n;
+  note_alloc(n);
+  return raw + a;
+}
+void release_aligned(void* p, std::align_val_t al) {
+  if (!p) return;
+  const std::size_t a = std::max<std::size_t>(static_cast<std::size_t>(al), header);
+  auto* user = static_cast<unsigned char*>(p);
+  note_free(*reinterpret_cast<std::size_t*>(user - sizeof(std::size_t)));
+  std::free(user - a);
+}
+
+struct scope {  // peak bytes above the level at construction
+  std::size_t base;
+  scope() : base(current.load()) { peak.store(base); }
+  std::size_t peak_delta() const { return peak.load() - base; }
+};
+}  // namespace counting
+
+void* operator new(std::size_t n) {
+  if (void* p = counting::alloc(n)) return p;
+  throw std::bad_alloc();
+}
+void* operator new[](std::size_t n) {
+  if (void* p = counting::alloc(n)) return p;
+  throw std::bad_alloc();
+}
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept { return counting::alloc(n); }
+void* operator new[](std::size_t n, const std::nothrow_t&) noexcept { return counting::alloc(n); }
+void* operator new(std::size_t n, std::align_val_t al) {
+  if (void* p = counting::alloc_aligned(n, al)) return p;
+  throw std::bad_alloc();
+}
+void* operator new[](std::size_t n, std::align_val_t al) {
+  if (void* p = counting::alloc_aligned(n, al)) return p;
+  throw std::bad_alloc();
+}
+void* operator new(std::size_t n, std::align_val_t al, const std::nothrow_t&) noexcept {
+  return counting::alloc_aligned(n, al);
+}
+void* operator new[](std::size_t n, std::align_val_t al, const std::nothrow_t&) noexcept {
+  return counting::alloc_aligned(n, al);
+}
+void operator delete(void* p) noexcept { counting::release(p); }
+void operator delete[](void* p) noexcept { counting::release(p); }
+void operator delete(void* p, std::size_t) noexcept { counting::release(p); }
+void operator delete[](void* p, std::size_t) noexcept { counting::release(p); }
+void operator delete(void* p, const std::nothrow_t&) noexcept { counting::release(p); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { counting::release(p); }
+void operator delete(void* p, std::align_val_t al) noexcept { counting::release_aligned(p, al); }
+void operator delete[](void* p, std::align_val_t al) noexcept { counting::release_aligned(p, al); }
+void operator delete(void* p, std::size_t, std::align_val_t al) noexcept { counting::release_aligned(p, al); }
+void operator delete[](void* p, std::size_t, std::align_val_t al) noexcept { counting::release_aligned(p, al); }
+void operator delete(void* p, std::align_val_t al, const std::nothrow_t&) noexcept { counting::release_aligned(p, al); }
+void operator delete[](void* p, std::align_val_t al, const std::nothrow_t&) noexcept {
+  counting::release_aligned(p, al);
+}
+
+namespace {
+
+template <class T>
+T to_storage(double d) {
+  if constexpr (std::is_same_v<T, float>) return static_cast<float>(d);
+  else if constexpr (std::is_same_v<T, lce::bfloat16>)
+    return std::bit_cast<lce::bfloat16>(lce_test::float_to_bf16_bits(static_cast<float>(d)));
+  else
+    return std::bit_cast<lce::float16>(lce_test::float_to_fp16_bits(static_cast<float>(d)));
+}
+
+constexpr std::size_t slack = std::size_t{64} << 10;
+
+template <class T>
+void bounded_memory_case() {
+  using op_type = lce::ChunkedHiddenToLogprobs<lce::comm::single, T>;
+  const std::int64_t n = 8192, v = 32768, h = 16;
+  static_assert(std::int64_t{8192} * 32768 >= (std::int64_t{1} << 28));
+  const std::size_t logits_bytes = static_cast<std::size_t>(n) * static_cast<std::size_t>(v) * sizeof(float);
+
+  // inputs and outputs, allocated before measuring
+  lce_test::rounder rnd = std::is_same_v<T, float> ? lce_test::round_to_float
+                          : std::is_same_v<T, lce::bfloat16> ? lce_test::round_to_bf16
+                                                             : lce_test::round_to_fp16;
+  lce_test::problem p = lce_test::make_problem(n, h, v, 2024, rnd, 1.0, 1.0, 0.1);
+  std::vector<T> x(static_cast<std::size_t>(n * h)), w(static_cast<std::size_t>(v * h));
+  for (std::size_t k = 0; k < x.size(); ++k) x[k] = to_storage<T>(p.x[k]);
+  for (std::size_t k = 0; k < w.size(); ++k) w[k] = to_storage<T>(p.w[k]);
+  std::vector<std::int64_t> y = p.y;
+  std::vector<float> lp(n), lse(n), ent(n), g(n, -1.0f), ge(n, 0.25f), gx(static_cast<std::size_t>(n * h)),
+      gw(static_cast<std::size_t>(v * h), 0.0f);
+  const lce::matrix_view<const T> X{x.data(), n, h};
+  const lce::matrix_view<const T> W{w.data(), v, h};
+  const lce::vector_view<const std::int64_t> Y{y.data(), n};
+  const lce::vector_view<float> LP{lp.data(), n}, LSE{lse.data(), n}, ENT{ent.data(), n};
+  const lce::vector_view<const float> G{g.data(), n}, GE{ge.data(), n}, LSEc{lse.data(), n};
+  const lce::matrix_view<float> GX{gx.data(), n, h}, GW{gw.data(), v, h};
+
+  std::vector<float> lp_fwd(n), lse_fwd(n), ent_fresh(n);  // copies of results, allocated up front
+  lce::options opt;
+  opt.workspace_limit_bytes = std::size_t{16} << 20;
+  std::size_t ws = 0;
+  {
+    op_type probe(lce::comm::single{}, opt);
+    ws = probe.workspace_bytes(n, h, v);
+  }
+  INFO("workspace_bytes(" << n << ", " << h << ", " << v << ") = " << ws);
+  CHECK(ws > 0);
+  // the budget policy keeps the scratch within the limit (feasible here for every T:
+  // even a [V, H] fp32 dW accumulator is only 2 MiB at this shape)
+  CHECK(ws <= opt.workspace_limit_bytes);
+  CHECK(ws < logits_bytes / 16);
+
+  auto measure = [&](const char* what, auto&& body) {
+    std::size_t delta = 0;
+    {
+      op_type op(lce::comm::single{}, opt);  // fresh op: scratch cannot be cached yet
+      counting::scope s;
+      body(op);
+      delta = s.peak_delta();
+    }
+    INFO(std::string(what) << ": peak bytes allocated during the call " << delta << " (workspace_bytes " << ws << ")");
+    MESSAGE(std::string(what) << ": peak bytes allocated during the call " << delta << " (workspace_bytes " << ws << ")");
+    CHECK(delta <= ws + slack);
+    CHECK(delta < logits_bytes / 16);
+    return delta;
+  };
+
+  // a fresh op for each call: scratch cannot be cached yet
+  const auto fwd = measure("forward with entropy", [&](op_type& op) { op.forward(X, W, Y, LP, LSE, ENT); });
+  CHECK_MESSAGE(fwd > 0, "no scratch seen through operator new (malloc/mmap allocations are not counted)");
+  std::copy(ent.begin(), ent.end(), ent_fresh.begin());
+  measure("backward with entropy", [&](op_type& op) { op.backward(X, W, Y, LSEc, G, GE, GX, GW); });
+  measure("forward_backward", [&](op_type& op) { op.forward_backward(X, W, Y, G, LP, GX, GW); });
+  if constexpr (!std::is_same_v<T, float>) {
+    // gradients stored as T (dW still accumulated in fp32 by the op)
+    std::vector<T> gx_t(static_cast<std::size_t>(n * h)), gw_t(static_cast<std::size_t>(v * h), to_storage<T>(0.0));
+    const lce::matrix_view<T> GXt{gx_t.data(), n, h}, GWt{gw_t.data(), v, h};
+    measure("backward, gradients of element T", [&](op_type& op) { op.backward(X, W, Y, LSEc, G, GE, GXt, GWt); });
+    measure("forward_backward, gradients of element T",
+            [&](op_type& op) { op.forward_backward(X, W, Y, G, LP, GXt, GWt); });
+  }
+
+  {
+    // one op across calls (scratch may be cached): each call, and the op's
+    // whole lifetime, stay within the workspace
+    counting::scope life;
+    op_type op(lce::comm::single{}, opt);
+    auto call = [&](const char* what, auto&& body) {
+      counting::scope s;
+      body();
+      const auto delta = s.peak_delta();
+      INFO(std::string(what) << " (same op): peak " << delta << " (workspace_bytes " << ws << ")");
+      CHECK(delta <= ws + slack);
+    };
+    call("forward", [&] { op.forward(X, W, Y, LP, LSE); });
+    std::copy(lp.begin(), lp.end(), lp_fwd.begin());  // preallocated: no allocation inside the scope
+    std::copy(lse.begin(), lse.end(), lse_fwd.begin());
+    call("backward", [&] { op.backward(X, W, Y, LSEc, G, GX, GW); });
+    call("forward_backward", [&] { op.forward_backward(X, W, Y, G, LP, GX, GW); });
+    const auto delta = life.peak_delta();
+    INFO("one op, all calls: peak " << delta << " (workspace_bytes " << ws << ")");
+    CHECK(delta <= ws + slack);
+
+    // the results at this size are still right (a few rows against the reference)
+    for (std::int64_t i : {std::int64_t{0}, std::int64_t{1}, std::int64_t{4097}, n - 1}) {
+      CAPTURE(i);
+      const auto st = lce_test::reference_forward_row(p, i);
+      const double tol = 1e-4 * std::max(1.0, std::fabs(static_cast<double>(st.lse)));
+      CHECK(std::fabs(lse_fwd[i] - static_cast<double>(st.lse)) <= tol);
+      CHECK(std::fabs(lp_fwd[i] - static_cast<double>(st.logp)) <= tol);
+      CHECK(std::fabs(lp[i] - static_cast<double>(st.logp)) <= tol);  // forward_backward's
+      CHECK(std::fabs(ent_fresh[i] - static_cast<double>(st.ent)) <= tol);
+    }
+  }
+}
+
+}  // namespace
+
+TEST_CASE("bounded memory: float, N x V = 2^28") { bounded_memory_case<float>(); }
+TEST_CASE("bounded memory: bfloat16, N x V = 2^28") { bounded_memory_case<lce::bfloat16>(); }

@@ -1,0 +1,144 @@
+// Chunk sizes, bitwise determinism across thread counts, workspace_bytes.
+#include "support/harness.hpp"
+
+extern "C" void openblas_set_num_threads(int);
+extern "C" int openblas_get_num_threads(void);
+
+using namespace lce_test;
+
+namespace {
+
+struct blas_threads_guard {
+  int saved = openblas_get_num_threads();
+  ~blas_threads_guard() { openblas_set_num_threads(saved); }
+};
+
+}  // namespace
+
+TEST_CASE_TEMPLATE("every chunk size gives the reference answer", T, float, double, lce::bfloat16, lce::float16) {
+  using O = out_t<T>;
+  const std::int64_t n = 10;
+  problem p = make_problem(n, 12, 40, 77, rounder_for<T>(), 1.5, 1.0, 0.2);
+  p.tau = 0.7f;
+  p.cap = 5.0f;
+  const auto g = random_vector(n, 78, -1.0, 1.0, rounder_for<O>());
+  const auto hg = random_vector(n, 79, -0.5, 0.5, rounder_for<O>());
+  const auto pre = random_vector(p.v * p.h, 80, -1.0, 1.0, rounder_for<float>());
+  const double eq_tol = std::is_same_v<T, double> ? 1e-12 : 1e-6;
+
+  auto opts = [&](std::int64_t chunk) { return make_options(p.tau, p.cap, chunk); };
+  std::vector<outputs<T, float>> runs;
+  for (std::int64_t chunk : {std::int64_t{1}, std::int64_t{3}, n - 1, n, 4 * n}) {
+    CAPTURE(chunk);
+    auto op = make_op<T>(opts(chunk));
+    runs.push_back(exercise<T, float>(op, p, g, hg, pre));
+    check_against_reference(runs.back(), p, g, hg, pre);
+    if (runs.size() > 1) check_close(runs.back(), runs.front(), eq_tol);
+  }
+  {
+    INFO("policy lce::fixed_chunk<3>");
+    auto op = make_op<T, lce::fixed_chunk<3>>(opts(0));
+    auto o = exercise<T, float>(op, p, g, hg, pre);
+    check_against_reference(o, p, g, hg, pre);
+    check_close(o, runs.front(), eq_tol);
+  }
+  {
+    INFO("policy lce::fixed_chunk<4> overridden by chunk_tokens = 1");
+    auto op = make_op<T, lce::fixed_chunk<4>>(opts(1));
+    auto o = exercise<T, float>(op, p, g, hg, pre);
+    check_against_reference(o, p, g, hg, pre);
+    check_close(o, runs.front(), eq_tol);
+  }
+  {
+    INFO("default (budget) policy, gradients of element T");
+    const auto pre_t = random_vector(p.v * p.h, 81, -1.0, 1.0, rounder_for<T>());
+    auto op = make_op<T>(opts(0));
+    auto o = exercise<T, T>(op, p, g, hg, pre_t);
+    check_against_reference(o, p, g, hg, pre_t);
+  }
+}
+
+TEST_CASE_TEMPLATE("outputs are bitwise identical across runs and thread counts", T, float, double, lce::bfloat16,
+                   lce::float16) {
+  using O = out_t<T>;
+  blas_threads_guard guard;
+  problem p = make_problem(300, 48, 700, 4242, rounder_for<T>(), 1.0, 1.0, 0.1);
+  p.tau = 0.9f;
+  const auto g = random_vector(p.n, 1, -1.0, 1.0, rounder_for<O>());
+  const auto hg = random_vector(p.n, 2, -0.5, 0.5, rounder_for<O>());
+  const auto pre_f = random_vector(p.v * p.h, 3, -1.0, 1.0, rounder_for<float>());
+  const auto pre_t = random_vector(p.v * p.h, 4, -1.0, 1.0, rounder_for<T>());
+
+  for (std::int64_t chunk : {std::int64_t{0}, std::int64_t{64}, std::int64_t{37}}) {
+    CAPTURE(chunk);
+    const auto opt = make_options(p.tau, 0.0f, chunk);
+    openblas_set_num_threads(1);
+    auto base_op = make_op<T>(opt, 1);
+    const auto base_f = exercise<T, float>(base_op, p, g, hg, pre_f);
+    const auto base_t = exercise<T, T>(base_op, p, g, hg, pre_t);
+    {
+      const auto d1 = exercise<T, float>(base_op, p, g, hg, pre_f).bitwise_diff(base_f);
+      const auto d2 = exercise<T, T>(base_op, p, g, hg, pre_t).bitwise_diff(base_t);
+      CHECK_MESSAGE(d1.empty(), "same op, second run, float grads: " << d1);
+      CHECK_MESSAGE(d2.empty(), "same op, second run, T grads: " << d2);
+    }
+    for (int blas : {1, 2}) {
+      for (int threads : {1, 2, 0, 3}) {
+        openblas_set_num_threads(blas);
+        auto op = make_op<T>(opt, threads);
+        const auto d1 = exercise<T, float>(op, p, g, hg, pre_f).bitwise_diff(base_f);
+        const auto d2 = exercise<T, T>(op, p, g, hg, pre_t).bitwise_diff(base_t);
+        CHECK_MESSAGE(d1.empty(), "openblas threads " << blas << ", host{" << threads << "} vs openblas 1, host{1}, float grads: " << d1);
+        CHECK_MESSAGE(d2.empty(), "openblas threads " << blas << ", host{" << threads << "} vs openblas 1, host{1}, T grads: " << d2);
+      }
+    }
+  }
+}
+
+TEST_CASE_TEMPLATE("workspace_bytes grows with chunk x vocab, not with tokens", T, float, double, lce::bfloat16,
+                   lce::float16) {
+  const std::int64_t h = 512, v = 32000;
+  SUBCASE("fixed chunk through options.chunk_tokens") {
+    auto op64 = make_op<T>(make_options(1.0f, 0.0f, 64));
+    auto op128 = make_op<T>(make_options(1.0f, 0.0f, 128));
+    const auto a = op64.workspace_bytes(4096, h, v);
+    CHECK(a > 0);
+    CHECK(op64.workspace_bytes(65536, h, v) == a);
+    CHECK(op64.workspace_bytes(1 << 20, h, v) == a);
+    CHECK(op64.workspace_bytes(4096, h, 2 * v) > a);
+    CHECK(op128.workspace_bytes(4096, h, v) > a);
+  }
+  SUBCASE("fixed chunk through lce::fixed_chunk<K>") {
+    auto op64 = make_op<T, lce::fixed_chunk<64>>(lce::options{});
+    auto op256 = make_op<T, lce::fixed_chunk<256>>(lce::options{});
+    const auto a = op64.workspace_bytes(4096, h, v);
+    CHECK(a > 0);
+    CHECK(op64.workspace_bytes(65536, h, v) == a);
+    CHECK(op64.workspace_bytes(4096, h, 2 * v) > a);
+    CHECK(op256.workspace_bytes(4096, h, v) > a);
+  }
+  SUBCASE("budget policy stays within workspace_limit_bytes, independent of N") {
+    // The limit bounds the scratch of a chunk. A 2-byte grad_weight also needs
+    // the [V_local, H] fp32 accumulator (dW accumulates in fp32 across chunks),
+    // which no chunk size can shrink; workspace_bytes reports it on top.
+    auto accumulator = [](std::int64_t hh, std::int64_t vv) -> std::size_t {
+      return is_2byte_v<T> ? static_cast<std::size_t>(hh * vv) * sizeof(float) : 0;
+    };
+    auto feasible = [&](std::int64_t hh, std::int64_t vv, std::size_t limit) {
+      return accumulator(hh, vv) <= limit / 2;
+    };
+    for (std::size_t limit : {std::size_t{16} << 20, std::size_t{64} << 20, std::size_t{256} << 20}) {
+      CAPTURE(limit);
+      lce::options o;
+      o.workspace_limit_bytes = limit;
+      auto op = make_op<T>(o);
+      const auto a = op.workspace_bytes(65536, h, v);
+      CHECK(a > 0);
+      CHECK(a - accumulator(h, v) <= limit);
+      CHECK(op.workspace_bytes(1 << 20, h, v) == a);
+      CHECK(op.workspace_bytes(65536, 4096, 128256) - accumulator(4096, 128256) <= limit);
+      CHECK(op.workspace_bytes(8192, 16, 32768) - accumulator(16, 32768) <= limit);
+      (void)feasible;
+    }
+  }
+}
