@@ -245,12 +245,15 @@ class engine {
     const auto shape = shape_of(hidden, vocab_local);
     std::int64_t rows = options_.chunk_tokens;
     if (rows <= 0) {
+      // Every rank must sweep the same chunks: the policy sizes them for the
+      // widest shard (once known), which keeps every rank within its budget.
+      const auto widest = shape_of(hidden, std::max(vocab_local, shards_.widest));
       chunk_request request;
       request.n_tokens = n_tokens;
       request.hidden = hidden;
-      request.vocab_local = vocab_local;
-      request.bytes_per_token = workspace_plan<A>::bytes_per_token(shape);
-      request.fixed_bytes = workspace_plan<A>::fixed_bytes(shape);
+      request.vocab_local = widest.vocab_local;
+      request.bytes_per_token = workspace_plan<A>::bytes_per_token(widest);
+      request.fixed_bytes = workspace_plan<A>::fixed_bytes(widest);
       request.workspace_limit_bytes = options_.workspace_limit_bytes;
       rows = static_cast<std::int64_t>(Chunk{}.tokens_per_chunk(request));
     }
@@ -294,17 +297,62 @@ class engine {
       check_targets(in.targets, in.weight.rows, options_.ignore_index);
       return;
     }
-    const bool known_shards = shards_.vocab_local == in.weight.rows;
-    std::string failure = failure_of([&] {
-      local_checks();
-      if (known_shards) check_targets(in.targets, shards_.vocab, options_.ignore_index);
-    });
-    if (comm_.all_agree(failure.empty() && known_shards)) return;  // the usual case: one tiny collective
-    agree_or_throw(failure);
-    shards_.vocab = exchange_shards(in.weight.rows);
-    shards_.vocab_local = in.weight.rows;
-    agree_or_throw(failure_of([&] { check_targets(in.targets, shards_.vocab, options_.ignore_index); }));
+    // Several ranks: each checks its own arguments (and its targets, against
+    // the vocabulary of the last checked layout), then one exchange of a few
+    // integers tells every rank everything: who failed, whether the ranks
+    // agree on N and H, and the shard layout. All ranks see the same
+    // records, so they take the same branch and throw alike.
+    const std::string failure = failure_of(local_checks);
+    const bool layout_known = shards_.vocab > 0 && failure.empty();
+    const std::string target_failure =
+        layout_known ? failure_of([&] { check_targets(in.targets, shards_.vocab, options_.ignore_index); })
+                     : std::string();
+    const rank_record mine{failure.empty() ? 1 : 0,
+                           layout_known ? (target_failure.empty() ? 1 : 2) : 0,
+                           in.targets.size,
+                           in.hidden.cols,
+                           options_.vocab_start,
+                           in.weight.rows};
+    std::vector<rank_record> records(static_cast<std::size_t>(comm_.size()));
+    comm_.all_gather_host(&mine.ok, &records.front().ok, rank_record::values);
+    bool all_ok = true;
+    for (const auto& record : records) all_ok = all_ok && record.ok;
+    if (!all_ok) throw_agreed(failure);
+    check_ranks_agree(records);
+    const bool same_layout = shards_.vocab > 0 && records_match_layout(records);
+    const shard_layout layout = same_layout ? shards_ : tile_shards(records);
+    bool targets_checked = same_layout;
+    bool targets_ok = true;
+    for (const auto& record : records) {
+      targets_checked = targets_checked && record.targets != 0;
+      targets_ok = targets_ok && record.targets != 2;
+    }
+    if (targets_checked) {  // the usual case: one exchange, nothing more
+      if (!targets_ok) throw_agreed(target_failure);
+      return;
+    }
+    agree_or_throw(failure_of([&] { check_targets(in.targets, layout.vocab, options_.ignore_index); }));
+    shards_ = layout;
   }
+
+  // What each rank tells the others before a call (host values).
+  struct rank_record {
+    static constexpr std::int64_t values = 6;
+    std::int64_t ok;          // its own arguments passed
+    std::int64_t targets;     // 0 unchecked, 1 within the known vocabulary, 2 not
+    std::int64_t n_tokens;
+    std::int64_t hidden;
+    std::int64_t vocab_start;
+    std::int64_t vocab_local;
+  };
+  static_assert(sizeof(rank_record) == rank_record::values * sizeof(std::int64_t));
+
+  // The vocabulary shards of all ranks, in rank order.
+  struct shard_layout {
+    std::int64_t vocab = 0;   // 0: not known yet
+    std::int64_t widest = 0;  // every rank sizes its chunk for the widest shard
+    std::vector<std::int64_t> starts, rows;
+  };
 
   template <class Checks>
   static std::string failure_of(Checks&& checks) {
@@ -316,26 +364,43 @@ class engine {
     return {};
   }
 
-  void agree_or_throw(const std::string& failure) {
-    if (comm_.all_agree(failure.empty())) return;
+  [[noreturn]] void throw_agreed(const std::string& failure) const {
     if (!failure.empty()) throw error(failure);
     fail("another rank (not ", comm_.rank(), ") rejected its arguments; its lce::error names them");
   }
 
-  // Every rank learns every shard's (vocab_start, rows); they must tile
-  // [0, V) in rank order. All ranks see the same data, so all throw alike.
-  std::int64_t exchange_shards(std::int64_t vocab_local) {
-    const std::int64_t mine[2] = {options_.vocab_start, vocab_local};
-    std::vector<std::int64_t> all(static_cast<std::size_t>(2 * comm_.size()));
-    comm_.all_gather_host(mine, all.data(), 2);
-    std::int64_t expected_start = 0;
-    for (int r = 0; r < comm_.size(); ++r) {
-      const std::int64_t start = all[2 * r], rows = all[2 * r + 1];
-      expects(start == expected_start, "vocab_start = ", start, " on rank ", r, " (", rows,
-              " rows), but the shards must tile the vocabulary in rank order: expected ", expected_start);
-      expected_start = start + rows;
+  void agree_or_throw(const std::string& failure) {
+    if (!comm_.all_agree(failure.empty())) throw_agreed(failure);
+  }
+
+  void check_ranks_agree(const std::vector<rank_record>& records) const {
+    for (std::size_t r = 1; r < records.size(); ++r) {
+      expects(records[r].n_tokens == records[0].n_tokens, "targets: rank ", r, " has ", records[r].n_tokens,
+              " tokens, rank 0 has ", records[0].n_tokens, ": every rank must pass all N tokens");
+      expects(records[r].hidden == records[0].hidden, "hidden: rank ", r, " has hidden size ", records[r].hidden,
+              ", rank 0 has ", records[0].hidden, ": every rank must pass the same hidden size");
     }
-    return expected_start;
+  }
+
+  bool records_match_layout(const std::vector<rank_record>& records) const {
+    for (std::size_t r = 0; r < records.size(); ++r)
+      if (records[r].vocab_start != shards_.starts[r] || records[r].vocab_local != shards_.rows[r]) return false;
+    return true;
+  }
+
+  // The shards must tile [0, V) in rank order.
+  static shard_layout tile_shards(const std::vector<rank_record>& records) {
+    shard_layout layout;
+    for (std::size_t r = 0; r < records.size(); ++r) {
+      const std::int64_t start = records[r].vocab_start, rows = records[r].vocab_local;
+      expects(start == layout.vocab, "vocab_start = ", start, " on rank ", r, " (", rows,
+              " rows), but the shards must tile the vocabulary in rank order: expected ", layout.vocab);
+      layout.vocab = start + rows;
+      layout.widest = std::max(layout.widest, rows);
+      layout.starts.push_back(start);
+      layout.rows.push_back(rows);
+    }
+    return layout;
   }
 
   template <class I>
@@ -512,17 +577,12 @@ class engine {
     backend_.grad_weight(dz, c.hidden, alpha(), weight_gradient);
   }
 
-  struct shard_cache {
-    std::int64_t vocab_local = -1;  // this rank's rows when the shards were last checked
-    std::int64_t vocab = 0;         // the whole vocabulary then
-  };
-
   Comm comm_;
   options options_;
   Backend backend_;
   scratch<Backend> workspace_;
   scratch<Backend> weight_gradient_;
-  shard_cache shards_;
+  shard_layout shards_;  // as last checked on every rank
 };
 
 }  // namespace detail
