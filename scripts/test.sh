@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Build and test lce: the `release` preset (all tests, incl. consumer/packaging
+# tests), then `debug-sanitize` (ASan+UBSan; consumer tests skipped).
+# Works from any directory; rerunning reuses the build folders.
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+
+"$root/scripts/install-deps.sh"
+
+# OpenMPI refuses to run as root without these (CI containers run as root).
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+
+echo "== release =="
+cmake --preset release
+cmake --build --preset release -j2
+ctest --preset release --output-on-failure -j2
+
+echo "== debug-sanitize =="
+cmake --preset debug-sanitize
+cmake --build --preset debug-sanitize -j2
+ctest --preset debug-sanitize --output-on-failure -j2 -LE consumer
+
+echo "PASS: lce release + debug-sanitize builds and tests"
