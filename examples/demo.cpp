@@ -1,0 +1,368 @@
+// lce demo: the output layer of a Llama-3-sized vocabulary (V = 128,256) on 8,192
+// tokens, computed two ways with the same BLAS and threads:
+//
+//   (a) lce forward_backward: one fused sweep over token chunks; the [N, V] logits
+//       never exist, only one [C, V] block at a time;
+//   (b) the materialised reference: a single GEMM for the full fp32 [N, V] logits,
+//       a log-softmax row pass, then two GEMMs for dX and dW.
+//
+// Both compute the per-token log-probs and the gradients dX, dW of the mean NLL
+// (dL/dlogp = -1/N). The demo prints the wall time and the peak extra memory of each
+// (bytes allocated beyond the inputs and outputs, counted by replacing the global
+// operator new/delete), and how far apart their results are.
+//
+//   lce_demo [--tokens N] [--hidden H] [--vocab V] [--threads T] [--chunk C] [--reps R]
+//            [--no-reference]
+#include <lce/lce.hpp>
+
+#include <cblas.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <new>
+#include <string>
+#include <thread>
+#include <vector>
+
+extern "C" void openblas_set_num_threads(int);
+
+// ---------------------------------------------------------------------------
+// Counting global allocator: every operator new/delete goes through here, so the
+// bytes a method allocates (current and peak) can be read off exactly.
+namespace counting {
+std::atomic<std::size_t> current{0}, peak{0};
+
+void add(std::size_t n) {
+  const std::size_t now = current.fetch_add(n, std::memory_order_relaxed) + n;
+  std::size_t p = peak.load(std::memory_order_relaxed);
+  while (now > p && !peak.compare_exchange_weak(p, now, std::memory_order_relaxed)) {
+  }
+}
+void reset_peak() { peak.store(current.load()); }
+
+// Each block carries its size in a header of `align` bytes (at least 16).
+constexpr std::size_t header(std::size_t align) { return align < 16 ? 16 : align; }
+
+void* allocate(std::size_t n, std::size_t align) {
+  const std::size_t h = header(align);
+  const std::size_t total = (h + n + h - 1) / h * h;
+  void* raw = h == 16 ? std::malloc(total) : std::aligned_alloc(h, total);
+  if (raw == nullptr) return nullptr;
+  *static_cast<std::size_t*>(raw) = n;
+  add(n);
+  return static_cast<char*>(raw) + h;
+}
+void release(void* p, std::size_t align) noexcept {
+  if (p == nullptr) return;
+  void* raw = static_cast<char*>(p) - header(align);
+  current.fetch_sub(*static_cast<std::size_t*>(raw), std::memory_order_relaxed);
+  std::free(raw);
+}
+void* allocate_or_throw(std::size_t n, std::size_t align) {
+  if (void* p = allocate(n, align)) return p;
+  throw std::bad_alloc{};
+}
+}  // namespace counting
+
+void* operator new(std::size_t n) { return counting::allocate_or_throw(n, 16); }
+void* operator new[](std::size_t n) { return counting::allocate_or_throw(n, 16); }
+void* operator new(std::size_t n, const std::nothrow_t&) noexcept { return counting::allocate(n, 16); }
+void* operator new[](std::size_t n, const std::nothrow_t&) noexcept { return counting::allocate(n, 16); }
+void* operator new(std::size_t n, std::align_val_t a) { return counting::allocate_or_throw(n, std::size_t(a)); }
+void* operator new[](std::size_t n, std::align_val_t a) { return counting::allocate_or_throw(n, std::size_t(a)); }
+void* operator new(std::size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
+  return counting::allocate(n, std::size_t(a));
+}
+void* operator new[](std::size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
+  return counting::allocate(n, std::size_t(a));
+}
+void operator delete(void* p) noexcept { counting::release(p, 16); }
+void operator delete[](void* p) noexcept { counting::release(p, 16); }
+void operator delete(void* p, std::size_t) noexcept { counting::release(p, 16); }
+void operator delete[](void* p, std::size_t) noexcept { counting::release(p, 16); }
+void operator delete(void* p, const std::nothrow_t&) noexcept { counting::release(p, 16); }
+void operator delete[](void* p, const std::nothrow_t&) noexcept { counting::release(p, 16); }
+void operator delete(void* p, std::align_val_t a) noexcept { counting::release(p, std::size_t(a)); }
+void operator delete[](void* p, std::align_val_t a) noexcept { counting::release(p, std::size_t(a)); }
+void operator delete(void* p, std::size_t, std::align_val_t a) noexcept { counting::release(p, std::size_t(a)); }
+void operator delete[](void* p, std::size_t, std::align_val_t a) noexcept { counting::release(p, std::size_t(a)); }
+void operator delete(void* p, std::align_val_t a, const std::nothrow_t&) noexcept {
+  counting::release(p, std::size_t(a));
+}
+void operator delete[](void* p, std::align_val_t a, const std::nothrow_t&) noexcept {
+  counting::release(p, std::size_t(a));
+}
+
+// ---------------------------------------------------------------------------
+namespace {
+
+constexpr std::size_t sz(std::int64_t n) { return static_cast<std::size_t>(n); }
+
+using clock_type = std::chrono::steady_clock;
+double seconds_since(clock_type::time_point t0) {
+  return std::chrono::duration<double>(clock_type::now() - t0).count();
+}
+
+double mib(double bytes) { return bytes / (1024.0 * 1024.0); }
+
+// Peak resident set size of the process (VmHWM), in bytes; -1 if unavailable.
+long long peak_rss_bytes() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);)
+    if (line.rfind("VmHWM:", 0) == 0) return std::atoll(line.c_str() + 6) * 1024LL;
+  return -1;
+}
+// Resets VmHWM to the current RSS (Linux >= 4.0); false if the kernel refused.
+bool reset_peak_rss() {
+  std::ofstream clear("/proc/self/clear_refs");
+  clear << "5";
+  clear.flush();
+  return bool(clear);
+}
+
+// Small fixed-seed generator (splitmix64): fast enough for 10^8 numbers.
+struct rng {
+  std::uint64_t s;
+  std::uint64_t next() {
+    std::uint64_t z = (s += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  }
+  // uniform on [-sqrt(3), sqrt(3)): mean 0, variance 1
+  float unit() { return (float(next() >> 40) * (1.0f / 16777216.0f) * 2.0f - 1.0f) * 1.7320508f; }
+};
+
+template <class F>
+void parallel_rows(std::int64_t rows, int threads, F&& f) {
+  std::vector<std::thread> pool;
+  const std::int64_t per = (rows + threads - 1) / threads;
+  for (int t = 0; t < threads; ++t) {
+    const std::int64_t lo = t * per, hi = std::min(rows, lo + per);
+    if (lo < hi) pool.emplace_back([&f, lo, hi] { f(lo, hi); });
+  }
+  for (auto& th : pool) th.join();
+}
+
+// (b) The materialised reference: full [N, V] fp32 logits.
+void reference(std::int64_t N, std::int64_t H, std::int64_t V, int threads, const float* x,
+               const float* w, const std::int64_t* y, const float* g, float* logp, float* dx,
+               float* dw) {
+  std::unique_ptr<float[]> z(new float[std::size_t(N) * std::size_t(V)]);
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, int(N), int(V), int(H), 1.0f, x, int(H),
+              w, int(H), 0.0f, z.get(), int(V));
+  // log-softmax row pass, then dz = g_i * (onehot(y_i) - p_i) in place of the logits
+  parallel_rows(N, threads, [&](std::int64_t lo, std::int64_t hi) {
+    for (std::int64_t i = lo; i < hi; ++i) {
+      float* row = z.get() + i * V;
+      const float m = *std::max_element(row, row + V);
+      const float zy = row[y[i]];
+      double s = 0.0;
+      for (std::int64_t v = 0; v < V; ++v) {
+        row[v] = std::exp(row[v] - m);
+        s += row[v];
+      }
+      logp[i] = float(double(zy) - (double(m) + std::log(s)));
+      const float scale = float(-g[i] / s);
+      for (std::int64_t v = 0; v < V; ++v) row[v] *= scale;
+      row[y[i]] += g[i];
+    }
+  });
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, int(N), int(H), int(V), 1.0f, z.get(),
+              int(V), w, int(H), 0.0f, dx, int(H));
+  cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, int(V), int(H), int(N), 1.0f, z.get(),
+              int(V), x, int(H), 0.0f, dw, int(H));
+}
+
+struct diff {
+  double max_abs = 0, max_ref = 0;
+};
+diff compare(const std::vector<float>& a, const std::vector<float>& ref) {
+  diff d;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    d.max_abs = std::max(d.max_abs, std::fabs(double(a[i]) - double(ref[i])));
+    d.max_ref = std::max(d.max_ref, std::fabs(double(ref[i])));
+  }
+  return d;
+}
+
+void usage(const char* argv0) {
+  std::fprintf(stderr,
+               "usage: %s [--tokens N] [--hidden H] [--vocab V] [--threads T] [--chunk C] [--reps R]\n"
+               "          [--no-reference]   (lce only: skip the materialised reference)\n"
+               "defaults: N = 8192, H = 512, V = 128256 (Llama-3), T = 0 (all hardware threads),\n"
+               "          C = 0 (chosen by the op from its workspace budget), R = 1 (best of R runs)\n",
+               argv0);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::int64_t N = 8192, H = 512, V = 128256, chunk = 0;
+  int threads = 0, reps = 1;
+  bool with_reference = true;
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i], value;
+    if (arg == "-h" || arg == "--help") return usage(argv[0]), 0;
+    if (arg == "--no-reference") {
+      with_reference = false;
+      continue;
+    }
+    if (auto eq = arg.find('='); eq != std::string::npos) {
+      value = arg.substr(eq + 1), arg = arg.substr(0, eq);
+    } else if (i + 1 < argc) {
+      value = argv[++i];
+    } else {
+      return usage(argv[0]), 2;
+    }
+    const long long n = std::atoll(value.c_str());
+    if (arg == "--tokens") N = n;
+    else if (arg == "--hidden") H = n;
+    else if (arg == "--vocab") V = n;
+    else if (arg == "--threads") threads = int(n);
+    else if (arg == "--chunk") chunk = n;
+    else if (arg == "--reps") reps = int(n);
+    else return usage(argv[0]), 2;
+  }
+  if (N < 1 || H < 1 || V < 1 || threads < 0 || chunk < 0 || reps < 1) return usage(argv[0]), 2;
+  if (threads == 0) threads = int(std::max(1u, std::thread::hardware_concurrency()));
+  openblas_set_num_threads(threads);
+
+  // Inputs and outputs: allocated before any measurement, so not counted as extra.
+  rng gen{20240607};
+  const float w_scale = 3.0f / std::sqrt(float(H));  // logits x.w have std ~3
+  std::vector<float> x(sz(N * H)), w(sz(V * H));
+  std::vector<std::int64_t> y(sz(N));
+  for (float& v : x) v = gen.unit();
+  for (float& v : w) v = gen.unit() * w_scale;
+  for (std::int64_t& t : y) t = std::int64_t(gen.next() % std::uint64_t(V));
+  std::vector<float> g(sz(N), -1.0f / float(N));  // mean NLL: dL/dlogp = -1/N
+  std::vector<float> logp(sz(N)), dx(sz(N * H)), dw(sz(V * H), 0.0f);
+
+  double zsum = 0, zsq = 0;  // spread of the logits, from a sample of 8 rows
+  const std::int64_t sample_rows = std::min<std::int64_t>(8, N);
+  for (std::int64_t i = 0; i < sample_rows; ++i)
+    for (std::int64_t v = 0; v < V; ++v) {
+      double dot = 0;
+      for (std::int64_t k = 0; k < H; ++k) dot += double(x[i * H + k]) * w[v * H + k];
+      zsum += dot, zsq += dot * dot;
+    }
+  const double zcount = double(sample_rows * V), zmean = zsum / zcount;
+  const double zstd = std::sqrt(std::max(0.0, zsq / zcount - zmean * zmean));
+
+  lce::options opt;
+  opt.chunk_tokens = chunk;
+  lce::ChunkedHiddenToLogprobs<lce::comm::single, float, lce::budget_chunk, lce::host> op{
+      lce::comm::single{}, opt, lce::host{threads}};
+  const std::size_t workspace = op.workspace_bytes(N, H, V);
+
+  const double io_bytes = 4.0 * double(2 * N * H + 2 * V * H + 2 * N) + 8.0 * double(N);
+  std::printf("lce demo: N = %lld tokens, H = %lld, V = %lld, float, %d threads, OpenBLAS sgemm%s\n",
+              (long long)N, (long long)H, (long long)V, threads,
+              reps > 1 ? (", best of " + std::to_string(reps) + " runs").c_str() : "");
+  std::printf("inputs + outputs: %.1f MiB (X, W, targets, dL/dlogp, logprobs, dX, dW); "
+              "logits std %.2f (sampled)\n\n",
+              mib(io_bytes), zstd);
+
+  {  // start the BLAS thread pool outside the timings
+    std::vector<float> a(64 * 64, 1.0f), c(64 * 64);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, 64, 64, 64, 1.0f, a.data(), 64, a.data(),
+                64, 0.0f, c.data(), 64);
+  }
+  // Each method runs R times (best time, largest memory), with the allocation peak and
+  // VmHWM reset just before each run. The first run in a process can be slower than the
+  // next (the BLAS's first calls); --reps 2 shows the steady state.
+  struct measurement {
+    double seconds, extra_bytes, peak_rss_bytes;
+  };
+  bool rss_resets = true;
+  auto measure = [&](auto&& prepare, auto&& method) {
+    measurement best{1e300, 0, 0};
+    for (int rep = 0; rep < reps; ++rep) {
+      prepare();
+      rss_resets = reset_peak_rss() && rss_resets;
+      counting::reset_peak();
+      const std::size_t base = counting::current.load();
+      const auto t0 = clock_type::now();
+      method();
+      best.seconds = std::min(best.seconds, seconds_since(t0));
+      best.extra_bytes = std::max(best.extra_bytes, double(counting::peak.load() - base));
+      best.peak_rss_bytes = std::max(best.peak_rss_bytes, double(peak_rss_bytes()));
+    }
+    return best;
+  };
+
+  // (a) lce: fused forward + backward sweep
+  const auto zero_dw = [&] { std::fill(dw.begin(), dw.end(), 0.0f); };  // dW accumulates
+  const measurement a = measure(zero_dw, [&] {
+    op.forward_backward(lce::matrix_view<const float>{x.data(), N, H},
+                        lce::matrix_view<const float>{w.data(), V, H},
+                        lce::vector_view<const std::int64_t>{y.data(), N},
+                        lce::vector_view<const float>{g.data(), N},
+                        lce::vector_view<float>{logp.data(), N},
+                        lce::matrix_view<float>{dx.data(), N, H},
+                        lce::matrix_view<float>{dw.data(), V, H});
+  });
+  // (b) materialised reference; its outputs are allocated (and touched) only now, so
+  // that they are not in the peak RSS of (a)
+  std::vector<float> ref_logp(sz(N)), ref_dx(sz(with_reference ? N * H : 0)),
+      ref_dw(sz(with_reference ? V * H : 0));
+  const measurement b = with_reference ? measure([] {}, [&] {
+    reference(N, H, V, threads, x.data(), w.data(), y.data(), g.data(), ref_logp.data(),
+              ref_dx.data(), ref_dw.data());
+  }) : measurement{};
+
+  const double gemm_flops = 3.0 * 2.0 * double(N) * double(V) * double(H);
+  std::printf("| method                                      | time [s] | GEMM GFLOP/s | peak extra memory |\n");
+  std::printf("|---------------------------------------------|---------:|-------------:|------------------:|\n");
+  std::printf("| (a) lce forward_backward (fused sweep)      | %8.2f | %12.1f | %13.1f MiB |\n",
+              a.seconds, gemm_flops / a.seconds * 1e-9, mib(a.extra_bytes));
+  if (with_reference) {
+    std::printf("| (b) materialised logits + log-softmax       | %8.2f | %12.1f | %13.1f MiB |\n",
+                b.seconds, gemm_flops / b.seconds * 1e-9, mib(b.extra_bytes));
+    std::printf("| (b) / (a)                                   | %7.2fx |              | %16.1fx |\n",
+                b.seconds / a.seconds, b.extra_bytes / std::max(1.0, a.extra_bytes));
+  }
+  std::printf("\nlce: chunk of %lld tokens, workspace_bytes(N, H, V) = %.1f MiB; "
+              "the [N, V] fp32 logits alone are %.1f MiB\n",
+              (long long)op.chunk_tokens(N, H, V), mib(double(workspace)),
+              mib(4.0 * double(N) * double(V)));
+  std::printf("process peak RSS (VmHWM%s): (a) %.1f MiB", rss_resets ? ", reset before each" : ", cumulative",
+              mib(a.peak_rss_bytes));
+  if (with_reference) std::printf(", (b) %.1f MiB", mib(b.peak_rss_bytes));
+  double nll = 0, ref_nll = 0;
+  for (std::int64_t i = 0; i < N; ++i) nll -= logp[i], ref_nll -= ref_logp[i];
+  std::printf("\nmean NLL: lce %.6f", nll / double(N));
+  if (!with_reference) {
+    std::printf(" nats (log V = %.6f)\n", std::log(double(V)));
+    return std::isfinite(nll) ? 0 : 1;
+  }
+  std::printf(", reference %.6f nats (log V = %.6f)\n", ref_nll / double(N), std::log(double(V)));
+
+  const diff dl = compare(logp, ref_logp), dX = compare(dx, ref_dx), dW = compare(dw, ref_dw);
+  std::printf("max |lce - reference|: logprobs %.3g (%.2g of max %.3g), dX %.3g (%.2g of max %.3g), "
+              "dW %.3g (%.2g of max %.3g)\n",
+              dl.max_abs, dl.max_abs / dl.max_ref, dl.max_ref, dX.max_abs, dX.max_abs / dX.max_ref,
+              dX.max_ref, dW.max_abs, dW.max_abs / dW.max_ref, dW.max_ref);
+
+  // Exit status for scripts and ctest: the two methods must agree.
+  const double tolerance = 1e-3;
+  const double worst = std::max({dl.max_abs / std::max(dl.max_ref, 1e-30),
+                                 dX.max_abs / std::max(dX.max_ref, 1e-30),
+                                 dW.max_abs / std::max(dW.max_ref, 1e-30)});
+  if (!(worst <= tolerance)) {
+    std::printf("FAILED: lce and the reference differ by %.3g of max |value| (tolerance %.0e)\n",
+                worst, tolerance);
+    return 1;
+  }
+  std::printf("OK: lce matches the materialised reference (worst %.2g of max |value|)\n", worst);
+  return 0;
+}
