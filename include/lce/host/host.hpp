@@ -56,14 +56,14 @@ class host {
     if constexpr (!half_precision<T>) {
       return 0;
     } else {
-      return threads() * widening_block_elements(hidden, vocab_local);
+      return threads() * vocab_tile_rows<T>(hidden, vocab_local) * hidden;
     }
   }
 
   // out = alpha x w^T, tiled over vocabulary rows.
   template <class A, class T>
   void logits(matrix_view<const A> x, matrix_view<const T> w, A alpha, matrix_view<A> out, void* weight_block) {
-    const std::int64_t tile = vocab_tile_rows(w.cols);
+    const std::int64_t tile = vocab_tile_rows<T>(w.cols, w.rows);
     detail::single_threaded_blas scope;
     for_tiles(ceil_div(w.rows, tile), [&](std::int64_t t, int part) {
       const std::int64_t first = t * tile, rows = std::min(tile, w.rows - first);
@@ -73,28 +73,25 @@ class host {
     });
   }
 
-  // dx = alpha dz w (overwrites dx), tiled over halves of dx's rows and columns.
+  // dx = alpha dz w (overwrites dx), tiled over halves of dx's rows: whole
+  // rows of dx per tile measured faster than splitting its columns.
   template <class A, class T>
   void grad_hidden(matrix_view<const A> dz, matrix_view<const T> w, A alpha, matrix_view<A> dx, void* weight_block) {
     const std::int64_t row_tile = dx.rows >= 64 ? ceil_div(dx.rows, 2) : std::max<std::int64_t>(dx.rows, 1);
-    const std::int64_t col_tile = dx.cols >= 64 ? round_up(ceil_div(dx.cols, 2), 16) : dx.cols;
-    const std::int64_t col_tiles = ceil_div(dx.cols, col_tile);
     detail::single_threaded_blas scope;
-    for_tiles(ceil_div(dx.rows, row_tile) * col_tiles, [&](std::int64_t t, int part) {
-      const std::int64_t r0 = t / col_tiles * row_tile, rows = std::min(row_tile, dx.rows - r0);
-      const std::int64_t c0 = t % col_tiles * col_tile, cols = std::min(col_tile, dx.cols - c0);
+    for_tiles(ceil_div(dx.rows, row_tile), [&](std::int64_t t, int part) {
+      const std::int64_t r0 = t * row_tile, rows = std::min(row_tile, dx.rows - r0);
       if constexpr (!half_precision<T>) {
-        detail::gemm(detail::transpose::no, detail::transpose::no, rows, cols, w.rows, alpha, dz.row(r0), dz.ld,
-                     w.data + c0, w.ld, A(0), dx.row(r0) + c0, dx.ld);
+        detail::gemm(detail::transpose::no, detail::transpose::no, rows, dx.cols, w.rows, alpha, dz.row(r0), dz.ld,
+                     w.data, w.ld, A(0), dx.row(r0), dx.ld);
       } else {
-        // Widen the weight's column tile block by block of vocabulary rows; dx sums over the blocks in order.
-        const std::int64_t block_rows = std::max<std::int64_t>(1, widening_block_elements(w.cols, w.rows) / cols);
-        for (std::int64_t v0 = 0; v0 < w.rows; v0 += block_rows) {
-          const std::int64_t vrows = std::min(block_rows, w.rows - v0);
-          const auto block =
-              widened(matrix_view<const T>{w.row(v0) + c0, vrows, cols, w.ld}, weight_block, part, w);
-          detail::gemm(detail::transpose::no, detail::transpose::no, rows, cols, vrows, alpha, dz.row(r0) + v0,
-                       dz.ld, block.data, block.ld, v0 == 0 ? A(0) : A(1), dx.row(r0) + c0, dx.ld);
+        // Widen the weight one tile of vocabulary rows at a time; dx sums over the tiles in order.
+        const std::int64_t tile = vocab_tile_rows<T>(w.cols, w.rows);
+        for (std::int64_t v0 = 0; v0 < w.rows; v0 += tile) {
+          const std::int64_t vrows = std::min(tile, w.rows - v0);
+          const auto block = widened(w.rows_slice(v0, vrows), weight_block, part, w);
+          detail::gemm(detail::transpose::no, detail::transpose::no, rows, dx.cols, vrows, alpha, dz.row(r0) + v0,
+                       dz.ld, block.data, block.ld, v0 == 0 ? A(0) : A(1), dx.row(r0), dx.ld);
         }
       }
     });
@@ -103,7 +100,7 @@ class host {
   // dw += alpha dz^T x, tiled over vocabulary rows.
   template <class A>
   void grad_weight(matrix_view<const A> dz, matrix_view<const A> x, A alpha, matrix_view<A> dw) {
-    const std::int64_t tile = vocab_tile_rows(x.cols);
+    const std::int64_t tile = vocab_tile_rows<A>(x.cols, dz.cols);
     detail::single_threaded_blas scope;
     for_tiles(ceil_div(dz.cols, tile), [&](std::int64_t t, int) {
       const std::int64_t first = t * tile, rows = std::min(tile, dz.cols - first);
@@ -218,18 +215,18 @@ class host {
 
  private:
   static constexpr std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
-  static constexpr std::int64_t round_up(std::int64_t a, std::int64_t b) { return ceil_div(a, b) * b; }
 
-  // Vocabulary rows per GEMM tile: about 512 KiB of fp32 weight, so that a
-  // widened tile and its logits stay in cache, and enough tiles to share.
-  static constexpr std::int64_t vocab_tile_rows(std::int64_t hidden) {
-    return std::clamp<std::int64_t>(round_up((std::int64_t{1} << 17) / std::max<std::int64_t>(hidden, 1), 16), 16,
-                                    4096);
-  }
-
-  // Each thread's share of the widening scratch: one tile of the weight.
-  static constexpr std::int64_t widening_block_elements(std::int64_t hidden, std::int64_t vocab_local) {
-    return std::min(vocab_tile_rows(hidden), std::max<std::int64_t>(vocab_local, 1)) * hidden;
+  // Vocabulary rows per GEMM tile, from the shapes alone: about 16 tiles to
+  // share, but never under 1024 rows (single-threaded BLAS GEMMs only reach
+  // full speed from about 512 columns up) nor over 4096. A 2-byte weight's
+  // tile is widened into per-thread scratch, so there it also stays within
+  // about 2^21 fp32 elements (but at least 512 rows).
+  template <class T>
+  static constexpr std::int64_t vocab_tile_rows(std::int64_t hidden, std::int64_t vocab_local) {
+    std::int64_t rows = std::clamp<std::int64_t>(ceil_div(vocab_local, 16), 1024, 4096);
+    if constexpr (half_precision<T>)
+      rows = std::min(rows, std::max<std::int64_t>(512, (std::int64_t{1} << 21) / std::max<std::int64_t>(hidden, 1)));
+    return std::max<std::int64_t>(1, std::min(rows, vocab_local));
   }
 
   // The weight rows of a tile in compute type: themselves, or widened into
@@ -239,7 +236,7 @@ class host {
     if constexpr (!half_precision<T>) {
       return rows;
     } else {
-      float* block = static_cast<float*>(scratch) + part * widening_block_elements(weight.cols, weight.rows);
+      float* block = static_cast<float*>(scratch) + part * vocab_tile_rows<T>(weight.cols, weight.rows) * weight.cols;
       for (std::int64_t r = 0; r < rows.rows; ++r) detail::convert_span(rows.row(r), block + r * rows.cols, rows.cols);
       return matrix_view<const float>{block, rows.rows, rows.cols, rows.cols};
     }
