@@ -30,6 +30,8 @@
 #include <lce/comm/mpi.hpp>
 #include <lce/lce.hpp>
 
+#include "allocation_counter.hpp"
+
 #include <mpi.h>
 
 #include <algorithm>
@@ -49,67 +51,9 @@
 // OpenBLAS's thread control, when the BLAS is OpenBLAS (weak: absent otherwise).
 extern "C" void openblas_set_num_threads(int) __attribute__((weak));
 
-// ---------------------------------------------------------------------------
-// Counting operator new: current and peak bytes of this process.
-// ---------------------------------------------------------------------------
-namespace heap {
-std::atomic<std::int64_t> current{0}, peak{0};
-constexpr std::size_t header = 64;  // keeps 64-byte alignment for aligned requests up to 64
-
-void note(std::int64_t bytes) {
-  const std::int64_t now = current.fetch_add(bytes, std::memory_order_relaxed) + bytes;
-  std::int64_t seen = peak.load(std::memory_order_relaxed);
-  while (now > seen && !peak.compare_exchange_weak(seen, now, std::memory_order_relaxed)) {
-  }
-}
-void* allocate(std::size_t bytes, std::size_t alignment) {
-  const std::size_t a = std::max(alignment, header);
-  auto* raw = static_cast<unsigned char*>(std::aligned_alloc(a, (bytes + a + a - 1) / a * a));
-  if (!raw) return nullptr;
-  std::memcpy(raw + a - sizeof(std::size_t), &bytes, sizeof(bytes));
-  std::memcpy(raw + a - 2 * sizeof(std::size_t), &a, sizeof(a));
-  note(static_cast<std::int64_t>(bytes));
-  return raw + a;
-}
-void release(void* pointer) {
-  if (!pointer) return;
-  auto* user = static_cast<unsigned char*>(pointer);
-  std::size_t bytes = 0, a = 0;
-  std::memcpy(&bytes, user - sizeof(std::size_t), sizeof(bytes));
-  std::memcpy(&a, user - 2 * sizeof(std::size_t), sizeof(a));
-  note(-static_cast<std::int64_t>(bytes));
-  std::free(user - a);
-}
-void* allocate_or_throw(std::size_t bytes, std::size_t alignment) {
-  if (void* p = allocate(bytes, alignment)) return p;
-  throw std::bad_alloc();
-}
-}  // namespace heap
-
-void* operator new(std::size_t n) { return heap::allocate_or_throw(n, 16); }
-void* operator new[](std::size_t n) { return heap::allocate_or_throw(n, 16); }
-void* operator new(std::size_t n, const std::nothrow_t&) noexcept { return heap::allocate(n, 16); }
-void* operator new[](std::size_t n, const std::nothrow_t&) noexcept { return heap::allocate(n, 16); }
-void* operator new(std::size_t n, std::align_val_t a) { return heap::allocate_or_throw(n, static_cast<std::size_t>(a)); }
-void* operator new[](std::size_t n, std::align_val_t a) { return heap::allocate_or_throw(n, static_cast<std::size_t>(a)); }
-void* operator new(std::size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
-  return heap::allocate(n, static_cast<std::size_t>(a));
-}
-void* operator new[](std::size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
-  return heap::allocate(n, static_cast<std::size_t>(a));
-}
-void operator delete(void* p) noexcept { heap::release(p); }
-void operator delete[](void* p) noexcept { heap::release(p); }
-void operator delete(void* p, std::size_t) noexcept { heap::release(p); }
-void operator delete[](void* p, std::size_t) noexcept { heap::release(p); }
-void operator delete(void* p, const std::nothrow_t&) noexcept { heap::release(p); }
-void operator delete[](void* p, const std::nothrow_t&) noexcept { heap::release(p); }
-void operator delete(void* p, std::align_val_t) noexcept { heap::release(p); }
-void operator delete[](void* p, std::align_val_t) noexcept { heap::release(p); }
-void operator delete(void* p, std::size_t, std::align_val_t) noexcept { heap::release(p); }
-void operator delete[](void* p, std::size_t, std::align_val_t) noexcept { heap::release(p); }
-void operator delete(void* p, std::align_val_t, const std::nothrow_t&) noexcept { heap::release(p); }
-void operator delete[](void* p, std::align_val_t, const std::nothrow_t&) noexcept { heap::release(p); }
+// Current and peak bytes of this process, from a counting global operator new
+// (support/allocation_counter.cpp, linked into this program).
+namespace heap = lce_support::allocations;
 
 namespace {
 
@@ -223,8 +167,8 @@ void run(const settings& s, bool sequence_parallel, int rank, int ranks, int thr
   const std::int64_t chunk = op.chunk_tokens(n, h, vr);
   const std::int64_t workspace = static_cast<std::int64_t>(op.workspace_bytes(n, h, vr));
 
-  const std::int64_t heap_before = heap::current.load();
-  heap::peak.store(heap_before);
+  const std::int64_t heap_before = heap::current();
+  heap::reset_peak();
   // Warm-up (allocates the workspace, agrees on the shards), then timed repetitions.
   op.forward(X, W, Y, LP, LSE);
 
@@ -246,7 +190,7 @@ void run(const settings& s, bool sequence_parallel, int rank, int ranks, int thr
     best_fused = std::min(best_fused, max_over_ranks(seconds() - start));
     fused_traffic = t;
   }
-  const double scratch = max_over_ranks(static_cast<double>(heap::peak.load() - heap_before) / 1048576.0);
+  const double scratch = max_over_ranks(static_cast<double>(heap::peak() - heap_before) / 1048576.0);
   const double hwm = max_over_ranks(vm_hwm_mib());
   const double payload_two = max_over_ranks(two_calls_traffic.payload / static_cast<double>(n));
   const double wire_two = max_over_ranks(two_calls_traffic.wire / static_cast<double>(n));

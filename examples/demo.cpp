@@ -15,6 +15,8 @@
 //            [--no-reference]
 #include <lce/lce.hpp>
 
+#include "allocation_counter.hpp"
+
 #include <cblas.h>
 
 #include <algorithm>
@@ -34,72 +36,9 @@
 
 extern "C" void openblas_set_num_threads(int);
 
-// ---------------------------------------------------------------------------
-// Counting global allocator: every operator new/delete goes through here, so the
-// bytes a method allocates (current and peak) can be read off exactly.
-namespace counting {
-std::atomic<std::size_t> current{0}, peak{0};
-
-void add(std::size_t n) {
-  const std::size_t now = current.fetch_add(n, std::memory_order_relaxed) + n;
-  std::size_t p = peak.load(std::memory_order_relaxed);
-  while (now > p && !peak.compare_exchange_weak(p, now, std::memory_order_relaxed)) {
-  }
-}
-void reset_peak() { peak.store(current.load()); }
-
-// Each block carries its size in a header of `align` bytes (at least 16).
-constexpr std::size_t header(std::size_t align) { return align < 16 ? 16 : align; }
-
-void* allocate(std::size_t n, std::size_t align) {
-  const std::size_t h = header(align);
-  const std::size_t total = (h + n + h - 1) / h * h;
-  void* raw = h == 16 ? std::malloc(total) : std::aligned_alloc(h, total);
-  if (raw == nullptr) return nullptr;
-  *static_cast<std::size_t*>(raw) = n;
-  add(n);
-  return static_cast<char*>(raw) + h;
-}
-void release(void* p, std::size_t align) noexcept {
-  if (p == nullptr) return;
-  void* raw = static_cast<char*>(p) - header(align);
-  current.fetch_sub(*static_cast<std::size_t*>(raw), std::memory_order_relaxed);
-  std::free(raw);
-}
-void* allocate_or_throw(std::size_t n, std::size_t align) {
-  if (void* p = allocate(n, align)) return p;
-  throw std::bad_alloc{};
-}
-}  // namespace counting
-
-void* operator new(std::size_t n) { return counting::allocate_or_throw(n, 16); }
-void* operator new[](std::size_t n) { return counting::allocate_or_throw(n, 16); }
-void* operator new(std::size_t n, const std::nothrow_t&) noexcept { return counting::allocate(n, 16); }
-void* operator new[](std::size_t n, const std::nothrow_t&) noexcept { return counting::allocate(n, 16); }
-void* operator new(std::size_t n, std::align_val_t a) { return counting::allocate_or_throw(n, std::size_t(a)); }
-void* operator new[](std::size_t n, std::align_val_t a) { return counting::allocate_or_throw(n, std::size_t(a)); }
-void* operator new(std::size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
-  return counting::allocate(n, std::size_t(a));
-}
-void* operator new[](std::size_t n, std::align_val_t a, const std::nothrow_t&) noexcept {
-  return counting::allocate(n, std::size_t(a));
-}
-void operator delete(void* p) noexcept { counting::release(p, 16); }
-void operator delete[](void* p) noexcept { counting::release(p, 16); }
-void operator delete(void* p, std::size_t) noexcept { counting::release(p, 16); }
-void operator delete[](void* p, std::size_t) noexcept { counting::release(p, 16); }
-void operator delete(void* p, const std::nothrow_t&) noexcept { counting::release(p, 16); }
-void operator delete[](void* p, const std::nothrow_t&) noexcept { counting::release(p, 16); }
-void operator delete(void* p, std::align_val_t a) noexcept { counting::release(p, std::size_t(a)); }
-void operator delete[](void* p, std::align_val_t a) noexcept { counting::release(p, std::size_t(a)); }
-void operator delete(void* p, std::size_t, std::align_val_t a) noexcept { counting::release(p, std::size_t(a)); }
-void operator delete[](void* p, std::size_t, std::align_val_t a) noexcept { counting::release(p, std::size_t(a)); }
-void operator delete(void* p, std::align_val_t a, const std::nothrow_t&) noexcept {
-  counting::release(p, std::size_t(a));
-}
-void operator delete[](void* p, std::align_val_t a, const std::nothrow_t&) noexcept {
-  counting::release(p, std::size_t(a));
-}
+// The bytes a method allocates (current and peak) are read off a counting
+// global operator new (support/allocation_counter.cpp, linked into this program).
+namespace counting = lce_support::allocations;
 
 // ---------------------------------------------------------------------------
 namespace {
@@ -198,7 +137,7 @@ void usage(const char* argv0) {
   std::fprintf(stderr,
                "usage: %s [--tokens N] [--hidden H] [--vocab V] [--threads T] [--chunk C] [--reps R]\n"
                "          [--no-reference]   (lce only: skip the materialised reference)\n"
-               "defaults: N = 8192, H = 512, V = 128256 (Llama-3), T = 0 (all hardware threads),\n"
+               "defaults: N = 8192, H = 256, V = 128256 (Llama-3), T = 0 (all hardware threads),\n"
                "          C = 0 (chosen by the op from its workspace budget), R = 1 (best of R runs)\n",
                argv0);
 }
@@ -206,7 +145,7 @@ void usage(const char* argv0) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::int64_t N = 8192, H = 512, V = 128256, chunk = 0;
+  std::int64_t N = 8192, H = 256, V = 128256, chunk = 0;
   int threads = 0, reps = 1;
   bool with_reference = true;
   for (int i = 1; i < argc; ++i) {
@@ -290,11 +229,11 @@ int main(int argc, char** argv) {
       prepare();
       rss_resets = reset_peak_rss() && rss_resets;
       counting::reset_peak();
-      const std::size_t base = counting::current.load();
+      const std::int64_t base = counting::current();
       const auto t0 = clock_type::now();
       method();
       best.seconds = std::min(best.seconds, seconds_since(t0));
-      best.extra_bytes = std::max(best.extra_bytes, double(counting::peak.load() - base));
+      best.extra_bytes = std::max(best.extra_bytes, double(counting::peak() - base));
       best.peak_rss_bytes = std::max(best.peak_rss_bytes, double(peak_rss_bytes()));
     }
     return best;

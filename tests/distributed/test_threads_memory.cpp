@@ -1,7 +1,7 @@
 // Bounded memory under sequence parallelism, measured per rank.
 //
 // Every global operator new / delete of this binary (lce_thread_tests) is
-// replaced (alloc_counting.cpp) by a counting version that keeps, per thread, the bytes currently
+// replaced (support/allocation_counter.cpp) by a counting version that keeps, per thread, the bytes currently
 // allocated and their peak. A rank is a thread and the operator allocates its
 // scratch on the calling thread, so a rank's peak is its thread's peak.
 // (malloc / mmap, e.g. OpenBLAS's own buffers, are not seen; the checks make
@@ -15,7 +15,7 @@
 
 #include <lce/comm/threads.hpp>
 
-#include "alloc_counting.hpp"
+#include "allocation_counter.hpp"
 
 namespace {
 
@@ -61,13 +61,13 @@ void sequence_parallel_memory(lce::comm::threads comm) {
   CHECK_MESSAGE(workspace < full_hidden_fp32 / 4, where << "the workspace itself is not far below N x H x 4 = "
                                                         << full_hidden_fp32);
 
-  const std::int64_t life_base = per_thread::current();
+  const std::int64_t life_base = lce_support::allocations::thread_current();
   std::int64_t life_peak = 0;  // over the three calls, above life_base
   const auto measure = [&](const char* what, auto&& call) {
-    const per_thread::scope s;
+    const lce_support::allocations::thread_scope s;
     call();
     const std::int64_t peak = s.peak_delta();
-    life_peak = std::max(life_peak, per_thread::peak() - life_base);
+    life_peak = std::max(life_peak, lce_support::allocations::thread_peak() - life_base);
     CHECK_MESSAGE(peak <= workspace + slack, where << what << ": peak " << peak << " bytes above the call's start");
     CHECK_MESSAGE(peak < full_hidden_fp32 / 4, where << what << ": peak " << peak << " bytes, not far below N x H x 4 = "
                                                      << full_hidden_fp32);

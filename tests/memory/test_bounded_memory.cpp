@@ -2,7 +2,8 @@
 // allocates through operator new during forward / backward / forward_backward
 // must stay within workspace_bytes(N, H, V) (+ 64 KiB slack) — far below N x V.
 //
-// Every global operator new / delete is replaced by a counting version. Note:
+// Every global operator new / delete is replaced by a counting version
+// (support/allocation_counter.cpp). Note:
 // allocations that bypass operator new (malloc, mmap, OpenBLAS's own buffers)
 // are not seen; the first test checks the op's scratch is seen at all.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
@@ -11,106 +12,16 @@
 #include <lce/lce.hpp>
 
 #include <algorithm>
-#include <atomic>
-#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
-#include <new>
 #include <vector>
 
+#include "allocation_counter.hpp"
 #include "support/reference.hpp"
 
-namespace counting {
-std::atomic<std::size_t> current{0}, peak{0}, total{0}, calls{0};
-
-void note_alloc(std::size_t n) {
-  const std::size_t now = current.fetch_add(n, std::memory_order_relaxed) + n;
-  total.fetch_add(n, std::memory_order_relaxed);
-  calls.fetch_add(1, std::memory_order_relaxed);
-  std::size_t p = peak.load(std::memory_order_relaxed);
-  while (now > p && !peak.compare_exchange_weak(p, now, std::memory_order_relaxed)) {
-  }
-}
-void note_free(std::size_t n) { current.fetch_sub(n, std::memory_order_relaxed); }
-
-constexpr std::size_t header = 16;  // == __STDCPP_DEFAULT_NEW_ALIGNMENT__ on x86-64
-
-void* alloc(std::size_t n) {
-  auto* raw = static_cast<unsigned char*>(std::malloc(n + header));
-  if (!raw) return nullptr;
-  *reinterpret_cast<std::size_t*>(raw) = n;
-  note_alloc(n);
-  return raw + header;
-}
-void release(void* p) {
-  if (!p) return;
-  auto* raw = static_cast<unsigned char*>(p) - header;
-  note_free(*reinterpret_cast<std::size_t*>(raw));
-  std::free(raw);
-}
-void* alloc_aligned(std::size_t n, std::align_val_t al) {
-  const std::size_t a = std::max<std::size_t>(static_cast<std::size_t>(al), header);
-  const std::size_t bytes = (n + a + a - 1) / a * a;
-  auto* raw = static_cast<unsigned char*>(std::aligned_alloc(a, bytes));
-  if (!raw) return nullptr;
-  *reinterpret_cast<std::size_t*>(raw + a - sizeof(std::size_t)) = n;
-  note_alloc(n);
-  return raw + a;
-}
-void release_aligned(void* p, std::align_val_t al) {
-  if (!p) return;
-  const std::size_t a = std::max<std::size_t>(static_cast<std::size_t>(al), header);
-  auto* user = static_cast<unsigned char*>(p);
-  note_free(*reinterpret_cast<std::size_t*>(user - sizeof(std::size_t)));
-  std::free(user - a);
-}
-
-struct scope {  // peak bytes above the level at construction
-  std::size_t base;
-  scope() : base(current.load()) { peak.store(base); }
-  std::size_t peak_delta() const { return peak.load() - base; }
-};
-}  // namespace counting
-
-void* operator new(std::size_t n) {
-  if (void* p = counting::alloc(n)) return p;
-  throw std::bad_alloc();
-}
-void* operator new[](std::size_t n) {
-  if (void* p = counting::alloc(n)) return p;
-  throw std::bad_alloc();
-}
-void* operator new(std::size_t n, const std::nothrow_t&) noexcept { return counting::alloc(n); }
-void* operator new[](std::size_t n, const std::nothrow_t&) noexcept { return counting::alloc(n); }
-void* operator new(std::size_t n, std::align_val_t al) {
-  if (void* p = counting::alloc_aligned(n, al)) return p;
-  throw std::bad_alloc();
-}
-void* operator new[](std::size_t n, std::align_val_t al) {
-  if (void* p = counting::alloc_aligned(n, al)) return p;
-  throw std::bad_alloc();
-}
-void* operator new(std::size_t n, std::align_val_t al, const std::nothrow_t&) noexcept {
-  return counting::alloc_aligned(n, al);
-}
-void* operator new[](std::size_t n, std::align_val_t al, const std::nothrow_t&) noexcept {
-  return counting::alloc_aligned(n, al);
-}
-void operator delete(void* p) noexcept { counting::release(p); }
-void operator delete[](void* p) noexcept { counting::release(p); }
-void operator delete(void* p, std::size_t) noexcept { counting::release(p); }
-void operator delete[](void* p, std::size_t) noexcept { counting::release(p); }
-void operator delete(void* p, const std::nothrow_t&) noexcept { counting::release(p); }
-void operator delete[](void* p, const std::nothrow_t&) noexcept { counting::release(p); }
-void operator delete(void* p, std::align_val_t al) noexcept { counting::release_aligned(p, al); }
-void operator delete[](void* p, std::align_val_t al) noexcept { counting::release_aligned(p, al); }
-void operator delete(void* p, std::size_t, std::align_val_t al) noexcept { counting::release_aligned(p, al); }
-void operator delete[](void* p, std::size_t, std::align_val_t al) noexcept { counting::release_aligned(p, al); }
-void operator delete(void* p, std::align_val_t al, const std::nothrow_t&) noexcept { counting::release_aligned(p, al); }
-void operator delete[](void* p, std::align_val_t al, const std::nothrow_t&) noexcept {
-  counting::release_aligned(p, al);
-}
+// Linked with support/allocation_counter.cpp: every operator new is counted.
+namespace counting = lce_support::allocations;
 
 namespace {
 
@@ -173,7 +84,7 @@ void bounded_memory_case() {
       op_type op(lce::comm::single{}, opt);  // fresh op: scratch cannot be cached yet
       counting::scope s;
       body(op);
-      delta = s.peak_delta();
+      delta = static_cast<std::size_t>(s.peak_delta());
     }
     INFO(std::string(what) << ": peak bytes allocated during the call " << delta << " (workspace_bytes " << ws << ")");
     MESSAGE(std::string(what) << ": peak bytes allocated during the call " << delta << " (workspace_bytes " << ws << ")");
@@ -205,7 +116,7 @@ void bounded_memory_case() {
     auto call = [&](const char* what, auto&& body) {
       counting::scope s;
       body();
-      const auto delta = s.peak_delta();
+      const auto delta = static_cast<std::size_t>(s.peak_delta());
       INFO(std::string(what) << " (same op): peak " << delta << " (workspace_bytes " << ws << ")");
       CHECK(delta <= ws + slack);
     };
@@ -214,7 +125,7 @@ void bounded_memory_case() {
     std::copy(lse.begin(), lse.end(), lse_fwd.begin());
     call("backward", [&] { op.backward(X, W, Y, LSEc, G, GX, GW); });
     call("forward_backward", [&] { op.forward_backward(X, W, Y, G, LP, GX, GW); });
-    const auto delta = life.peak_delta();
+    const auto delta = static_cast<std::size_t>(life.peak_delta());
     INFO("one op, all calls: peak " << delta << " (workspace_bytes " << ws << ")");
     CHECK(delta <= ws + slack);
 
