@@ -113,7 +113,7 @@ class host {
 
   template <class From, class To>
   void copy(matrix_view<From> source, matrix_view<To> target) {
-    for_rows(source.rows, [&](std::int64_t r) { detail::convert_span(source.row(r), target.row(r), source.cols); });
+    for_rows(source.rows, source.cols, [&](std::int64_t r) { detail::convert_span(source.row(r), target.row(r), source.cols); });
   }
 
   template <class From, class To>
@@ -123,24 +123,24 @@ class host {
 
   template <class From, class To>
   void add(matrix_view<From> source, matrix_view<To> target) {
-    for_rows(source.rows, [&](std::int64_t r) { detail::add_span(source.row(r), target.row(r), source.cols); });
+    for_rows(source.rows, source.cols, [&](std::int64_t r) { detail::add_span(source.row(r), target.row(r), source.cols); });
   }
 
   template <class A>
   void fill_zero(matrix_view<A> target) {
-    for_rows(target.rows, [&](std::int64_t r) { detail::zero_row(target.row(r), target.cols); });
+    for_rows(target.rows, target.cols, [&](std::int64_t r) { detail::zero_row(target.row(r), target.cols); });
   }
 
   // ---- row passes ----------------------------------------------------------
 
   template <class A>
   void soft_cap(matrix_view<A> logits, A cap) {
-    for_rows(logits.rows, [&](std::int64_t r) { detail::soft_cap_row(logits.row(r), logits.cols, cap); });
+    for_rows(logits.rows, logits.cols, [&](std::int64_t r) { detail::soft_cap_row(logits.row(r), logits.cols, cap); });
   }
 
   template <class A, class I>
   void row_statistics(const statistics_args<A, I>& args) {
-    for_rows(args.logits.rows, [&](std::int64_t r) {
+    for_rows(args.logits.rows, args.logits.cols, [&](std::int64_t r) {
       A* row = args.logits.row(r);
       const std::int64_t n = args.logits.cols;
       if (args.soft_cap > A(0)) detail::soft_cap_row(row, n, args.soft_cap);
@@ -182,7 +182,7 @@ class host {
 
   template <class A, class I>
   void mean_centred_logits(const mean_centred_logit_args<A, I>& args) {
-    for_rows(args.logits.rows, [&](std::int64_t r) {
+    for_rows(args.logits.rows, args.logits.cols, [&](std::int64_t r) {
       const bool ignored = args.targets[r] == args.ignore_index;
       args.out[r] = ignored ? A(0) : detail::mean_centred_logit_row(args.logits.row(r), args.logits.cols, args.lse[r]);
     });
@@ -192,7 +192,7 @@ class host {
   void logit_gradients(const gradient_args<A, I>& args) {
     const bool capped = args.soft_cap > A(0);
     const A inverse_cap = capped ? A(1) / args.soft_cap : A(0);
-    for_rows(args.logits.rows, [&](std::int64_t r) {
+    for_rows(args.logits.rows, args.logits.cols, [&](std::int64_t r) {
       A* row = args.logits.row(r);
       const std::int64_t n = args.logits.cols;
       const A g = args.grad_logprobs[r];
@@ -244,14 +244,17 @@ class host {
 
   template <class Body>
   void for_tiles(std::int64_t tiles, Body&& body) {
-    pool_->parallel_for(tiles, [&](std::int64_t begin, std::int64_t end, int part) {
+    pool_->parallel_for(tiles, 1, [&](std::int64_t begin, std::int64_t end, int part) {
       for (std::int64_t t = begin; t < end; ++t) body(t, part);
     });
   }
 
+  // Rows are handed out in grains of about 2^16 elements: small enough to
+  // balance the threads, large enough that taking one costs nothing.
   template <class Body>
-  void for_rows(std::int64_t rows, Body&& body) {
-    pool_->parallel_for(rows, [&](std::int64_t begin, std::int64_t end, int) {
+  void for_rows(std::int64_t rows, std::int64_t row_length, Body&& body) {
+    const std::int64_t grain = std::max<std::int64_t>(1, (std::int64_t{1} << 16) / std::max<std::int64_t>(row_length, 1));
+    pool_->parallel_for(rows, grain, [&](std::int64_t begin, std::int64_t end, int) {
       for (std::int64_t r = begin; r < end; ++r) body(r);
     });
   }
