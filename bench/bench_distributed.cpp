@@ -2,9 +2,12 @@
 //
 // Run it once per rank count; each run prints its own rows:
 //
-//   mpiexec -n 1 lce_bench_distributed
+//   mpiexec -n 1 --bind-to none lce_bench_distributed
 //   mpiexec -n 2 lce_bench_distributed
-//   mpiexec -n 4 lce_bench_distributed
+//   mpiexec -n 4 --oversubscribe lce_bench_distributed
+//
+// (OpenMPI binds each of up to 2 ranks to one core: a single rank's two threads
+// would then share a core, hence --bind-to none for one rank.)
 //
 // The total problem is the same whatever the rank count (default N = 4096
 // tokens, H = 1024, V = 32000, float): rank r holds the vocabulary shard

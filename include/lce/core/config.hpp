@@ -20,6 +20,17 @@
 #define LCE_ALWAYS_INLINE inline
 #endif
 
+// SIMD packs (core/simd.hpp) are only ever passed between always-inlined
+// functions, so g++'s note that their by-value ABI differs without AVX-512
+// does not concern them; headers that pass packs open and close this region.
+#if defined(__GNUC__) && !defined(__clang__)
+#define LCE_BEGIN_SIMD_PACKS _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wpsabi\"")
+#define LCE_END_SIMD_PACKS _Pragma("GCC diagnostic pop")
+#else
+#define LCE_BEGIN_SIMD_PACKS
+#define LCE_END_SIMD_PACKS
+#endif
+
 // A versioned inline namespace (as CUB does) keeps two shared libraries built
 // against different lce versions from silently sharing one instantiation.
 #define LCE_ABI_NAMESPACE v0_1

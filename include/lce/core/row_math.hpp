@@ -18,13 +18,7 @@
 #include <limits>
 #include <type_traits>
 
-// Functions here are generic over SIMD packs, which are only ever passed
-// between always-inlined functions; the note that their by-value ABI differs
-// without AVX-512 does not concern them.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wpsabi"
-#endif
+LCE_BEGIN_SIMD_PACKS
 
 LCE_BEGIN_NAMESPACE
 namespace detail {
@@ -170,6 +164,4 @@ LCE_HOST_DEVICE LCE_ALWAYS_INLINE P logit_gradient(P p, P centred, A grad_logpro
 }  // namespace detail
 LCE_END_NAMESPACE
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+LCE_END_SIMD_PACKS

@@ -16,12 +16,7 @@
 #include <cmath>
 #include <cstring>
 
-// Packs are only ever passed between always-inlined functions; the note that
-// their by-value ABI differs without AVX-512 does not concern them.
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wpsabi"
-#endif
+LCE_BEGIN_SIMD_PACKS
 
 LCE_BEGIN_NAMESPACE
 namespace detail {
@@ -74,6 +69,4 @@ LCE_ALWAYS_INLINE pack<A> splat(A value) {
 }  // namespace detail
 LCE_END_NAMESPACE
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+LCE_END_SIMD_PACKS

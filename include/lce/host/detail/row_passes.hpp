@@ -13,10 +13,7 @@
 #include <cstdint>
 #include <limits>
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-#pragma GCC diagnostic ignored "-Wpsabi"
-#endif
+LCE_BEGIN_SIMD_PACKS
 
 LCE_BEGIN_NAMESPACE
 namespace detail {
@@ -120,6 +117,4 @@ void zero_row(A* z, std::int64_t n) {
 }  // namespace detail
 LCE_END_NAMESPACE
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+LCE_END_SIMD_PACKS
