@@ -34,6 +34,7 @@
 #include <lce/lce.hpp>
 
 #include "allocation_counter.hpp"
+#include "command_line.hpp"
 
 #include <mpi.h>
 
@@ -221,8 +222,13 @@ int main(int argc, char** argv) {
   MPI_Comm_size(MPI_COMM_WORLD, &ranks);
 
   settings s;
-  for (int i = 1; i + 1 < argc; i += 2) {
-    const std::string flag = argv[i], arg = argv[i + 1];
+  for (int i = 1; i < argc; ++i) {
+    lce_support::flag f;
+    if (!lce_support::read_flag(i, argc, argv, {}, f)) {
+      if (rank == 0) std::fprintf(stderr, "option %s needs a value\n", f.name.c_str());
+      break;
+    }
+    const std::string &flag = f.name, &arg = f.value;
     if (flag == "--tokens") s.tokens = std::atoll(arg.c_str());
     else if (flag == "--hidden") s.hidden = std::atoll(arg.c_str());
     else if (flag == "--vocab") s.vocab = std::atoll(arg.c_str());

@@ -20,6 +20,8 @@
 // and N = 4096 only.) The lce calls and the GEMMs use the same thread count.
 #include <lce/lce.hpp>
 
+#include "command_line.hpp"
+
 #include <cblas.h>
 
 #include <algorithm>
@@ -240,18 +242,13 @@ int main(int argc, char** argv) {
   config cfg;
   bool quick = false, hidden_given = false, tokens_given = false;
   for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i], value;
+    lce_support::flag f;
+    if (!lce_support::read_flag(i, argc, argv, {"-h", "--help", "--quick"}, f)) return usage(argv[0]), 2;
+    const std::string &arg = f.name, &value = f.value;
     if (arg == "-h" || arg == "--help") return usage(argv[0]), 0;
     if (arg == "--quick") {
       quick = true;
       continue;
-    }
-    if (auto eq = arg.find('='); eq != std::string::npos) {
-      value = arg.substr(eq + 1), arg = arg.substr(0, eq);
-    } else if (i + 1 < argc) {
-      value = argv[++i];
-    } else {
-      return usage(argv[0]), 2;
     }
     if (arg == "--hidden") cfg.hidden = parse_list(value), hidden_given = true;
     else if (arg == "--vocab") cfg.vocab = parse_list(value);

@@ -16,6 +16,7 @@
 #include <lce/lce.hpp>
 
 #include "allocation_counter.hpp"
+#include "command_line.hpp"
 
 #include <cblas.h>
 
@@ -149,20 +150,15 @@ int main(int argc, char** argv) {
   int threads = 0, reps = 1;
   bool with_reference = true;
   for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i], value;
+    lce_support::flag f;
+    if (!lce_support::read_flag(i, argc, argv, {"-h", "--help", "--no-reference"}, f)) return usage(argv[0]), 2;
+    const std::string& arg = f.name;
     if (arg == "-h" || arg == "--help") return usage(argv[0]), 0;
     if (arg == "--no-reference") {
       with_reference = false;
       continue;
     }
-    if (auto eq = arg.find('='); eq != std::string::npos) {
-      value = arg.substr(eq + 1), arg = arg.substr(0, eq);
-    } else if (i + 1 < argc) {
-      value = argv[++i];
-    } else {
-      return usage(argv[0]), 2;
-    }
-    const long long n = std::atoll(value.c_str());
+    const long long n = std::atoll(f.value.c_str());
     if (arg == "--tokens") N = n;
     else if (arg == "--hidden") H = n;
     else if (arg == "--vocab") V = n;
