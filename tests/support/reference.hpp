@@ -119,7 +119,7 @@ struct problem {
 
 struct forward_result {
   std::int64_t n = 0, v = 0;
-  std::vector<real> z;      // [n, v] final logits (after temperature and softcap)
+  std::vector<real> z;      // [n, v] final logits: softcap, then temperature
   std::vector<real> dzds;   // [n, v] d z / d (x . w): (1/tau) * (1 - tanh^2)
   std::vector<real> lse;    // [n]
   std::vector<real> logp;   // [n] 0 for ignored tokens
@@ -130,16 +130,16 @@ struct forward_result {
 inline real reference_logit(const double* xr, const double* wr, std::int64_t h, float tau, float cap, real* dzds) {
   real s = 0;
   for (std::int64_t k = 0; k < h; ++k) s += static_cast<real>(xr[k]) * static_cast<real>(wr[k]);
+  // The model's soft-cap on the raw logit, then the sampler's temperature.
   const real t = static_cast<real>(tau);
-  const real a = s / t;
   if (cap > 0.0f) {
     const real c = static_cast<real>(cap);
-    const real th = std::tanh(a / c);
+    const real th = std::tanh(s / c);
     if (dzds) *dzds = (1 - th * th) / t;
-    return c * th;
+    return c * th / t;
   }
   if (dzds) *dzds = 1 / t;
-  return a;
+  return s / t;
 }
 
 // Statistics of one row of final logits z[0..v).

@@ -30,7 +30,7 @@ struct statistics_args {
   vector_view<const I> targets;    // [rows], global ids
   std::int64_t vocab_start = 0;
   std::int64_t ignore_index = -100;
-  A soft_cap = 0;                  // 0: none
+  detail::soft_cap_map<A> soft_cap;  // raw logits in; capped and tempered out (disabled: none)
   bool with_entropy = false;       // also sum exp(z - max)(z - max)
   bool keep_exp = false;           // overwrite logits with exp(z - max) (no soft-cap only)
   detail::row_partial<A>* partials = nullptr;  // out [rows]
@@ -52,11 +52,11 @@ struct finalize_args {
 // from a keep_exp statistics pass, and only a per-row scale is left to do.
 template <class A, class I>
 struct gradient_args {
-  matrix_view<A> logits;             // [rows, vocab_local], soft-capped if soft_cap > 0
+  matrix_view<A> logits;             // [rows, vocab_local], soft-capped if soft_cap is enabled
   vector_view<const I> targets;
   std::int64_t vocab_start = 0;
   std::int64_t ignore_index = -100;
-  A soft_cap = 0;
+  detail::soft_cap_map<A> soft_cap;
   const A* lse = nullptr;            // [rows]
   const A* grad_logprobs = nullptr;  // [rows]
   const A* grad_entropy = nullptr;        // [rows] or null
@@ -100,7 +100,7 @@ concept backend =
       b.add(cmat, out_half);
       b.fill_zero(mat);
       // Row passes.
-      b.soft_cap(mat, alpha);
+      b.soft_cap(mat, detail::soft_cap_map<float>{});
       b.row_statistics(statistics);
       b.merge_partials(gathered, ranks, count, merged);
       b.finalize_rows(finalize, count);

@@ -11,8 +11,8 @@ LCE_BEGIN_NAMESPACE
 struct options {
   std::int64_t vocab_start = 0;        // global id of row 0 of this rank's weight shard
   std::int64_t ignore_index = -100;    // such targets: logprob 0, entropy 0, no gradient
-  float temperature = 1.0f;            // logits divided by it; must be > 0
-  float softcap = 0.0f;                // > 0: z -> softcap * tanh(z / softcap)
+  float temperature = 1.0f;            // logits divided by it, after the soft-cap; must be > 0
+  float softcap = 0.0f;                // > 0: s -> softcap * tanh(s / softcap) on the raw logit s = x.w
   bool sequence_parallel = false;      // hidden rows sharded across the communicator
   std::int64_t chunk_tokens = 0;       // 0: chosen by the chunk policy
   std::size_t workspace_limit_bytes = std::size_t{256} << 20;

@@ -93,16 +93,34 @@ LCE_ALWAYS_INLINE pack<double> fast_tanh(pack<double> x) {
 }
 #endif
 
-// The soft-cap z -> cap * tanh(z / cap) and its slope, written in terms of
-// the capped value. P is a scalar or a SIMD pack of A.
+// The model's soft-cap, then the sampler's temperature (Gemma-2 caps the raw
+// logit; vLLM and HF divide what the model returns by the temperature):
+//   z = (cap / tau) tanh(s / cap),  s = x . w.
+// Folding 1/tau into the scale keeps it one multiply per logit. The slope
+// dz/ds = (1/tau)(1 - tanh^2) is written in terms of z; the 1/tau part rides
+// on the gradient GEMMs' alpha, so `soft_cap_slope` returns 1 - tanh^2 only.
+template <class A>
+struct soft_cap_map {
+  A inverse_cap = 0;    // 1 / cap; 0: no soft-cap
+  A scale = 0;          // cap / tau
+  A inverse_scale = 0;  // tau / cap
+
+  LCE_HOST_DEVICE static soft_cap_map make(A cap, A temperature) {
+    if (!(cap > A(0))) return {};
+    return {A(1) / cap, cap / temperature, temperature / cap};
+  }
+  LCE_HOST_DEVICE bool enabled() const { return inverse_cap > A(0); }
+};
+
+// P is a scalar or a SIMD pack of A.
 template <class P, class A>
-LCE_HOST_DEVICE LCE_ALWAYS_INLINE P soft_cap(P z, A cap, A inverse_cap) {
-  return fast_tanh(z * inverse_cap) * cap;
+LCE_HOST_DEVICE LCE_ALWAYS_INLINE P soft_cap(P raw_logit, const soft_cap_map<A>& map) {
+  return fast_tanh(raw_logit * map.inverse_cap) * map.scale;
 }
 
 template <class P, class A>
-LCE_HOST_DEVICE LCE_ALWAYS_INLINE P soft_cap_slope(P capped, A inverse_cap) {
-  const P ratio = capped * inverse_cap;
+LCE_HOST_DEVICE LCE_ALWAYS_INLINE P soft_cap_slope(P capped, const soft_cap_map<A>& map) {
+  const P ratio = capped * map.inverse_scale;  // tanh(s / cap)
   return A(1) - ratio * ratio;
 }
 

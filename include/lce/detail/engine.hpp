@@ -146,8 +146,8 @@ class engine {
     const auto weight_gradient = begin_weight_gradient(grad_weight);
     sweep(in, [&](const auto& c) {
       using I_ = typename std::remove_cvref_t<decltype(c)>::index;
-      backend_.logits(c.hidden, c.weight, alpha(), c.logits, c.weight_block);
-      if (softcap() > A(0)) backend_.soft_cap(c.logits, softcap());
+      backend_.logits(c.hidden, c.weight, logit_scale(), c.logits, c.weight_block);
+      if (soft_cap().enabled()) backend_.soft_cap(c.logits, soft_cap());
       gather_rows(c, lse, row_lse);
       gather_rows(c, grad_logprobs, row_grad_logprobs);
       if (with_entropy) {
@@ -181,7 +181,7 @@ class engine {
     const auto weight_gradient = begin_weight_gradient(grad_weight);
     // Without a soft-cap the statistics pass leaves exp(z - max) behind, and
     // dz = -g exp(z - lse) is a per-row rescale of it: one exp per logit.
-    const bool keep_exp = !(softcap() > A(0));
+    const bool keep_exp = !soft_cap().enabled();
     sweep(in, [&](const auto& c) {
       forward_statistics(c, /*with_entropy=*/false, keep_exp);
       scatter_rows(c, row_logprobs, logprobs);
@@ -223,8 +223,14 @@ class engine {
     std::int64_t token_of_segment(int s) const { return segments == 1 ? local_first : s * local_tokens + local_first; }
   };
 
-  A alpha() const { return A(1) / static_cast<A>(options_.temperature); }
-  A softcap() const { return static_cast<A>(options_.softcap); }
+  // z = s / tau, or (cap / tau) tanh(s / cap) with a soft-cap (s = x . w): the
+  // logits GEMM scales by 1/tau only when no soft-cap follows; the gradient
+  // GEMMs always carry the 1/tau of the chain rule.
+  A temperature_scale() const { return A(1) / static_cast<A>(options_.temperature); }
+  A logit_scale() const { return soft_cap().enabled() ? A(1) : temperature_scale(); }
+  soft_cap_map<A> soft_cap() const {
+    return soft_cap_map<A>::make(static_cast<A>(options_.softcap), static_cast<A>(options_.temperature));
+  }
   bool sequence_parallel() const { return options_.sequence_parallel && comm_.size() > 1; }
 
   workspace_shape shape_of(std::int64_t hidden, std::int64_t vocab_local) const {
@@ -503,9 +509,9 @@ class engine {
   // log-prob, lse and entropy per row into the chunk's row arrays.
   template <class I>
   void forward_statistics(const chunk<I>& c, bool with_entropy, bool keep_exp) {
-    backend_.logits(c.hidden, c.weight, alpha(), c.logits, c.weight_block);
+    backend_.logits(c.hidden, c.weight, logit_scale(), c.logits, c.weight_block);
     backend_.row_statistics(statistics_args<A, I>{c.logits, c.targets, options_.vocab_start, options_.ignore_index,
-                                                  softcap(), with_entropy, keep_exp, c.partials});
+                                                  soft_cap(), with_entropy, keep_exp, c.partials});
     const row_partial<A>* merged = c.partials;
     if (comm_.size() > 1) {
       // One collective per chunk: every rank's partials, merged locally in rank order.
@@ -525,7 +531,7 @@ class engine {
     args.targets = c.targets;
     args.vocab_start = options_.vocab_start;
     args.ignore_index = options_.ignore_index;
-    args.soft_cap = softcap();
+    args.soft_cap = soft_cap();
     args.lse = c.row(row_lse);
     args.grad_logprobs = c.row(row_grad_logprobs);
     return args;
@@ -559,13 +565,13 @@ class engine {
     const auto out = grad_hidden.rows_slice(c.local_first, c.segment_rows);
     if constexpr (std::same_as<GX, A>) {
       if (comm_.size() == 1) {
-        backend_.grad_hidden(dz, c.weight, alpha(), out, c.weight_block);
-        backend_.grad_weight(dz, c.hidden, alpha(), weight_gradient);
+        backend_.grad_hidden(dz, c.weight, temperature_scale(), out, c.weight_block);
+        backend_.grad_weight(dz, c.hidden, temperature_scale(), weight_gradient);
         return;
       }
     }
     const auto stage = c.grad_hidden_stage;
-    backend_.grad_hidden(dz, c.weight, alpha(), stage, c.weight_block);
+    backend_.grad_hidden(dz, c.weight, temperature_scale(), stage, c.weight_block);
     if (sequence_parallel()) {
       const std::int64_t h = stage.cols;
       comm_.reduce_scatter_sum(stage.data, c.grad_hidden_local, c.segment_rows * h);
@@ -574,7 +580,7 @@ class engine {
       if (comm_.size() > 1) comm_.all_reduce_sum(stage.data, c.rows * stage.cols);
       backend_.copy(matrix_view<const A>(stage), out);
     }
-    backend_.grad_weight(dz, c.hidden, alpha(), weight_gradient);
+    backend_.grad_weight(dz, c.hidden, temperature_scale(), weight_gradient);
   }
 
   Comm comm_;

@@ -134,7 +134,7 @@ class host {
   // ---- row passes ----------------------------------------------------------
 
   template <class A>
-  void soft_cap(matrix_view<A> logits, A cap) {
+  void soft_cap(matrix_view<A> logits, const detail::soft_cap_map<A>& cap) {
     for_rows(logits.rows, logits.cols, [&](std::int64_t r) { detail::soft_cap_row(logits.row(r), logits.cols, cap); });
   }
 
@@ -143,7 +143,7 @@ class host {
     for_rows(args.logits.rows, args.logits.cols, [&](std::int64_t r) {
       A* row = args.logits.row(r);
       const std::int64_t n = args.logits.cols;
-      if (args.soft_cap > A(0)) detail::soft_cap_row(row, n, args.soft_cap);
+      if (args.soft_cap.enabled()) detail::soft_cap_row(row, n, args.soft_cap);
       detail::row_partial<A> partial;
       partial.max = detail::row_max(row, n);
       const std::int64_t target = local_target(args.targets[r], args.vocab_start, args.ignore_index, n);
@@ -190,8 +190,7 @@ class host {
 
   template <class A, class I>
   void logit_gradients(const gradient_args<A, I>& args) {
-    const bool capped = args.soft_cap > A(0);
-    const A inverse_cap = capped ? A(1) / args.soft_cap : A(0);
+    const bool capped = args.soft_cap.enabled();
     for_rows(args.logits.rows, args.logits.cols, [&](std::int64_t r) {
       A* row = args.logits.row(r);
       const std::int64_t n = args.logits.cols;
@@ -202,12 +201,12 @@ class host {
         return;
       }
       const std::int64_t target = local_target(args.targets[r], args.vocab_start, args.ignore_index, n);
-      const A target_slope = target >= 0 && capped ? detail::soft_cap_slope(row[target], inverse_cap) : A(1);
+      const A target_slope = target >= 0 && capped ? detail::soft_cap_slope(row[target], args.soft_cap) : A(1);
       if (args.exp_row_max) {
         detail::scale_row(row, n, -g * std::exp(args.exp_row_max[r].max - args.lse[r]));
       } else {
         dispatch_gradient_row(row, n, args.lse[r], g, h, args.mean_centred_logit ? args.mean_centred_logit[r] : A(0),
-                              inverse_cap, args.grad_entropy != nullptr, capped);
+                              args.soft_cap, args.grad_entropy != nullptr, capped);
       }
       if (target >= 0) row[target] += g * target_slope;
     });
@@ -266,14 +265,15 @@ class host {
   }
 
   template <class A>
-  static void dispatch_gradient_row(A* row, std::int64_t n, A lse, A g, A h, A mean_centred, A inverse_cap,
+  static void dispatch_gradient_row(A* row, std::int64_t n, A lse, A g, A h, A mean_centred,
+                                    const detail::soft_cap_map<A>& cap,
                                     bool with_entropy, bool capped) {
     if (with_entropy) {
-      capped ? detail::gradient_row<A, true, true>(row, n, lse, g, h, mean_centred, inverse_cap)
-             : detail::gradient_row<A, true, false>(row, n, lse, g, h, mean_centred, inverse_cap);
+      capped ? detail::gradient_row<A, true, true>(row, n, lse, g, h, mean_centred, cap)
+             : detail::gradient_row<A, true, false>(row, n, lse, g, h, mean_centred, cap);
     } else {
-      capped ? detail::gradient_row<A, false, true>(row, n, lse, g, h, mean_centred, inverse_cap)
-             : detail::gradient_row<A, false, false>(row, n, lse, g, h, mean_centred, inverse_cap);
+      capped ? detail::gradient_row<A, false, true>(row, n, lse, g, h, mean_centred, cap)
+             : detail::gradient_row<A, false, false>(row, n, lse, g, h, mean_centred, cap);
     }
   }
 

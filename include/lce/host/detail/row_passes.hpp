@@ -51,10 +51,10 @@ A row_max(const A* z, std::int64_t n) {
   return reduce_row(z, n, -std::numeric_limits<A>::infinity(), [](auto v) { return v; }, larger);
 }
 
+// Raw logits s -> tempered, soft-capped z (see soft_cap_map).
 template <class A>
-void soft_cap_row(A* z, std::int64_t n, A cap) {
-  const A inverse = A(1) / cap;
-  transform_row(z, n, [=](auto v) { return soft_cap(v, cap, inverse); });
+void soft_cap_row(A* z, std::int64_t n, const soft_cap_map<A>& map) {
+  transform_row(z, n, [=](auto v) { return soft_cap(v, map); });
 }
 
 // s = sum exp(z - max) and, when the entropy is wanted, t = sum exp(z - max)(z - max).
@@ -92,14 +92,15 @@ A mean_centred_logit_row(const A* z, std::int64_t n, A lse) {
 }
 
 // z -> dL/dz (before the target's +g), chained through the soft-cap when
-// WithSoftCap (z is then the capped logit).
+// WithSoftCap (z is then the capped logit; the 1/tau is the GEMMs' alpha).
 template <class A, bool WithEntropy, bool WithSoftCap>
-void gradient_row(A* z, std::int64_t n, A lse, A grad_logprob, A grad_entropy, A mean_centred, A inverse_cap) {
+void gradient_row(A* z, std::int64_t n, A lse, A grad_logprob, A grad_entropy, A mean_centred,
+                  soft_cap_map<A> cap) {
   transform_row(z, n, [=](auto logit) {
     const auto centred = logit - lse;
     const auto p = fast_exp(centred);
     auto d = WithEntropy ? logit_gradient(p, centred, grad_logprob, grad_entropy, mean_centred) : p * -grad_logprob;
-    if constexpr (WithSoftCap) d = d * soft_cap_slope(logit, inverse_cap);
+    if constexpr (WithSoftCap) d = d * soft_cap_slope(logit, cap);
     return d;
   });
 }
