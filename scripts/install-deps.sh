@@ -3,7 +3,7 @@
 # Idempotent: does nothing (not even apt-get update) when all are present.
 set -euo pipefail
 
-packages=(cmake g++ make pkg-config libopenblas-dev doctest-dev libopenmpi-dev openmpi-bin)
+packages=(cmake g++ make pkg-config libopenblas-dev doctest-dev libopenmpi-dev openmpi-bin libeigen3-dev)
 
 missing=()
 for p in "${packages[@]}"; do
