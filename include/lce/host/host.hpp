@@ -23,7 +23,6 @@
 #include <cstdint>
 #include <memory>
 #include <new>
-#include <thread>
 
 LCE_BEGIN_NAMESPACE
 
@@ -31,11 +30,31 @@ class host {
  public:
   using memory_space = host_memory;
 
+  // threads <= 0: one per CPU this process may run on (its affinity mask).
   explicit host(int threads = 0)
-      : pool_(std::make_unique<detail::thread_pool>(
-            threads > 0 ? threads : std::max(1, static_cast<int>(std::thread::hardware_concurrency())))) {}
+      : pool_(std::make_unique<detail::thread_pool>(threads > 0 ? threads : detail::available_cpus())) {}
 
   int threads() const { return pool_->size(); }
+
+  // ---- per-call BLAS setting ------------------------------------------------
+  // While a call_scope lives, the BLAS runs one thread per call (lce's GEMM
+  // tiles need that for results independent of thread counts). OpenBLAS has
+  // no per-thread setting (its openblas_set_num_threads_local, 0.3.27 on,
+  // sets the process-wide count too), so this is the process-wide setting,
+  // changed once when the first concurrent scope starts and restored when
+  // the last one ends. The engine holds one per operator call; each GEMM
+  // also holds one, which inside a call only counts (no BLAS call).
+  class call_scope {
+   public:
+    call_scope() = default;
+    call_scope(const call_scope&) = delete;
+    call_scope& operator=(const call_scope&) = delete;
+
+   private:
+    detail::single_threaded_blas blas_;
+  };
+
+  [[nodiscard]] call_scope begin_call() { return {}; }
 
   // ---- memory --------------------------------------------------------------
 
@@ -48,53 +67,69 @@ class host {
   // Each GEMM is split into tiles that depend on the shapes only and run on
   // this backend's threads, each tile one single-threaded BLAS call: the
   // result is the same whatever the thread counts (lce's or the BLAS's). A
-  // 2-byte weight is widened to fp32 one tile at a time (CBLAS has no 2-byte
-  // GEMM), into a per-thread block that stays in cache for its GEMM.
+  // 2-byte weight is widened to fp32 one vocabulary tile at a time (CBLAS has
+  // no 2-byte GEMM), by all threads into one shared block, which the tiles of
+  // that GEMM then read from cache: each weight row is widened once per GEMM.
 
+  // The fp32 elements of that block (0 for a weight of the compute type):
+  // from the shapes alone, so the chunk (and the bits) do not depend on threads().
   template <storage_type T>
   std::int64_t weight_block_elements(std::int64_t hidden, std::int64_t vocab_local) const {
     if constexpr (!half_precision<T>) {
       return 0;
     } else {
-      return threads() * vocab_tile_rows<T>(hidden, vocab_local) * hidden;
+      return vocab_tile_rows<T>(hidden, vocab_local) * hidden;
     }
   }
 
-  // out = alpha x w^T, tiled over vocabulary rows.
+  // out = alpha x w^T, tiled over vocabulary rows (a 2-byte weight: over the
+  // output tiles of each widened vocabulary tile).
   template <class A, class T>
   void logits(matrix_view<const A> x, matrix_view<const T> w, A alpha, matrix_view<A> out, void* weight_block) {
-    const std::int64_t tile = vocab_tile_rows<T>(w.cols, w.rows);
     detail::single_threaded_blas scope;
-    for_tiles(ceil_div(w.rows, tile), [&](std::int64_t t, int part) {
-      const std::int64_t first = t * tile, rows = std::min(tile, w.rows - first);
-      const auto block = widened(w.rows_slice(first, rows), weight_block, part, w);
-      detail::gemm(detail::transpose::no, detail::transpose::yes, x.rows, rows, x.cols, alpha, x.data, x.ld,
-                   block.data, block.ld, A(0), out.data + first, out.ld);
-    });
+    if constexpr (!half_precision<T>) {
+      const std::int64_t tile = vocab_tile_rows<T>(w.cols, w.rows);
+      for_tiles(ceil_div(w.rows, tile), [&](std::int64_t t) {
+        const std::int64_t first = t * tile, rows = std::min(tile, w.rows - first);
+        detail::gemm(detail::transpose::no, detail::transpose::yes, x.rows, rows, x.cols, alpha, x.data, x.ld,
+                     w.row(first), w.ld, A(0), out.data + first, out.ld);
+      });
+    } else {
+      if (x.rows == 0) return;
+      for_widened_tiles(w, weight_block, [&](matrix_view<const A> block, std::int64_t v0) {
+        const output_tiling tiles(x.rows, block.rows);
+        for_tiles(tiles.count(), [&](std::int64_t t) {
+          const auto [r0, rows, c0, cols] = tiles.tile(t);
+          detail::gemm(detail::transpose::no, detail::transpose::yes, rows, cols, x.cols, alpha, x.row(r0), x.ld,
+                       block.row(c0), block.ld, A(0), out.row(r0) + v0 + c0, out.ld);
+        });
+      });
+    }
   }
 
-  // dx = alpha dz w (overwrites dx), tiled over halves of dx's rows: whole
-  // rows of dx per tile measured faster than splitting its columns.
+  // dx = alpha dz w (overwrites dx), over tiles of dx (rows x columns, from
+  // the shapes: enough for every thread). A 2-byte weight is widened one
+  // vocabulary tile at a time and dx summed over those tiles in order.
   template <class A, class T>
   void grad_hidden(matrix_view<const A> dz, matrix_view<const T> w, A alpha, matrix_view<A> dx, void* weight_block) {
-    const std::int64_t row_tile = dx.rows >= 64 ? ceil_div(dx.rows, 2) : std::max<std::int64_t>(dx.rows, 1);
+    if (dx.rows == 0 || dx.cols == 0) return;
     detail::single_threaded_blas scope;
-    for_tiles(ceil_div(dx.rows, row_tile), [&](std::int64_t t, int part) {
-      const std::int64_t r0 = t * row_tile, rows = std::min(row_tile, dx.rows - r0);
-      if constexpr (!half_precision<T>) {
-        detail::gemm(detail::transpose::no, detail::transpose::no, rows, dx.cols, w.rows, alpha, dz.row(r0), dz.ld,
-                     w.data, w.ld, A(0), dx.row(r0), dx.ld);
-      } else {
-        // Widen the weight one tile of vocabulary rows at a time; dx sums over the tiles in order.
-        const std::int64_t tile = vocab_tile_rows<T>(w.cols, w.rows);
-        for (std::int64_t v0 = 0; v0 < w.rows; v0 += tile) {
-          const std::int64_t vrows = std::min(tile, w.rows - v0);
-          const auto block = widened(w.rows_slice(v0, vrows), weight_block, part, w);
-          detail::gemm(detail::transpose::no, detail::transpose::no, rows, dx.cols, vrows, alpha, dz.row(r0) + v0,
-                       dz.ld, block.data, block.ld, v0 == 0 ? A(0) : A(1), dx.row(r0), dx.ld);
-        }
-      }
-    });
+    const output_tiling tiles(dx.rows, dx.cols);
+    if constexpr (!half_precision<T>) {
+      for_tiles(tiles.count(), [&](std::int64_t t) {
+        const auto [r0, rows, c0, cols] = tiles.tile(t);
+        detail::gemm(detail::transpose::no, detail::transpose::no, rows, cols, w.rows, alpha, dz.row(r0), dz.ld,
+                     w.data + c0, w.ld, A(0), dx.row(r0) + c0, dx.ld);
+      });
+    } else {
+      for_widened_tiles(w, weight_block, [&](matrix_view<const A> block, std::int64_t v0) {
+        for_tiles(tiles.count(), [&](std::int64_t t) {
+          const auto [r0, rows, c0, cols] = tiles.tile(t);
+          detail::gemm(detail::transpose::no, detail::transpose::no, rows, cols, block.rows, alpha, dz.row(r0) + v0,
+                       dz.ld, block.data + c0, block.ld, v0 == 0 ? A(0) : A(1), dx.row(r0) + c0, dx.ld);
+        });
+      });
+    }
   }
 
   // dw += alpha dz^T x, tiled over vocabulary rows.
@@ -102,7 +137,7 @@ class host {
   void grad_weight(matrix_view<const A> dz, matrix_view<const A> x, A alpha, matrix_view<A> dw) {
     const std::int64_t tile = vocab_tile_rows<A>(x.cols, dz.cols);
     detail::single_threaded_blas scope;
-    for_tiles(ceil_div(dz.cols, tile), [&](std::int64_t t, int) {
+    for_tiles(ceil_div(dz.cols, tile), [&](std::int64_t t) {
       const std::int64_t first = t * tile, rows = std::min(tile, dz.cols - first);
       detail::gemm(detail::transpose::yes, detail::transpose::no, rows, x.cols, dz.rows, alpha, dz.data + first, dz.ld,
                    x.data, x.ld, A(1), dw.row(first), dw.ld);
@@ -218,8 +253,8 @@ class host {
   // Vocabulary rows per GEMM tile, from the shapes alone: about 16 tiles to
   // share, but never under 1024 rows (single-threaded BLAS GEMMs only reach
   // full speed from about 512 columns up) nor over 4096. A 2-byte weight's
-  // tile is widened into per-thread scratch, so there it also stays within
-  // about 2^21 fp32 elements (but at least 512 rows).
+  // tile is widened into scratch that the GEMM tiles read from cache, so
+  // there it also stays within about 2^21 fp32 elements (but at least 512 rows).
   template <class T>
   static constexpr std::int64_t vocab_tile_rows(std::int64_t hidden, std::int64_t vocab_local) {
     std::int64_t rows = std::clamp<std::int64_t>(ceil_div(vocab_local, 16), 1024, 4096);
@@ -228,23 +263,68 @@ class host {
     return std::max<std::int64_t>(1, std::min(rows, vocab_local));
   }
 
-  // The weight rows of a tile in compute type: themselves, or widened into
-  // this thread's share of the scratch.
-  template <class T>
-  static auto widened(matrix_view<const T> rows, void* scratch, int part, const matrix_view<const T>& weight) {
-    if constexpr (!half_precision<T>) {
-      return rows;
-    } else {
-      float* block = static_cast<float*>(scratch) + part * vocab_tile_rows<T>(weight.cols, weight.rows) * weight.cols;
-      for (std::int64_t r = 0; r < rows.rows; ++r) detail::convert_span(rows.row(r), block + r * rows.cols, rows.cols);
-      return matrix_view<const float>{block, rows.rows, rows.cols, rows.cols};
+  // Tiles of a GEMM's [rows, cols] output, from the shapes alone: about
+  // `target` of them (so that every thread gets some), no thinner than 64
+  // rows or 128 columns (single-threaded GEMMs slow down below that). Each
+  // piece of rows re-reads the operand shared by the rows (cols x k), each
+  // piece of columns the rows' operand (rows x k): of the splits that reach
+  // the target, the one that reads the least.
+  struct output_tiling {
+    static constexpr std::int64_t target = 8, min_rows = 64, min_cols = 128;
+    std::int64_t row_tile = 1, col_tile = 1, row_tiles = 0, col_tiles = 0;
+
+    struct range {
+      std::int64_t row, rows, col, cols;
+    };
+
+    output_tiling(std::int64_t rows, std::int64_t cols) {
+      if (rows <= 0 || cols <= 0) return;
+      const std::int64_t max_row_pieces = std::max<std::int64_t>(1, rows / min_rows);
+      const std::int64_t max_col_pieces = std::max<std::int64_t>(1, cols / min_cols);
+      std::int64_t best_rows = 1, best_cols = 1, best_tiles = 0, best_reads = 0;
+      for (std::int64_t r = 1; r <= std::min(max_row_pieces, target); ++r) {
+        const std::int64_t c = std::min(max_col_pieces, ceil_div(target, r));
+        const std::int64_t tiles = std::min(r * c, target), reads = r * cols + c * rows;
+        if (tiles > best_tiles || (tiles == best_tiles && reads < best_reads)) {
+          best_rows = r, best_cols = c, best_tiles = tiles, best_reads = reads;
+        }
+      }
+      row_tile = ceil_div(rows, best_rows);
+      col_tile = std::min(cols, ceil_div(ceil_div(cols, best_cols), 16) * 16);  // whole cache lines
+      row_tiles = ceil_div(rows, row_tile);
+      col_tiles = ceil_div(cols, col_tile);
+      last_row_ = rows, last_col_ = cols;
+    }
+
+    std::int64_t count() const { return row_tiles * col_tiles; }
+
+    range tile(std::int64_t t) const {
+      const std::int64_t r0 = t / col_tiles * row_tile, c0 = t % col_tiles * col_tile;
+      return {r0, std::min(row_tile, last_row_ - r0), c0, std::min(col_tile, last_col_ - c0)};
+    }
+
+   private:
+    std::int64_t last_row_ = 0, last_col_ = 0;
+  };
+
+  // Calls body(block, v0) for each tile of vocabulary rows of a 2-byte
+  // weight in order, `block` being its rows from v0 on, widened to fp32 once
+  // (by all threads) into `scratch` (weight_block_elements<T>).
+  template <class T, class Body>
+  void for_widened_tiles(matrix_view<const T> w, void* scratch, Body&& body) {
+    const std::int64_t tile = vocab_tile_rows<T>(w.cols, w.rows);
+    float* const data = static_cast<float*>(scratch);
+    for (std::int64_t v0 = 0; v0 < w.rows; v0 += tile) {
+      const std::int64_t rows = std::min(tile, w.rows - v0);
+      for_rows(rows, w.cols, [&](std::int64_t r) { detail::convert_span(w.row(v0 + r), data + r * w.cols, w.cols); });
+      body(matrix_view<const float>{data, rows, w.cols, w.cols}, v0);
     }
   }
 
   template <class Body>
   void for_tiles(std::int64_t tiles, Body&& body) {
-    pool_->parallel_for(tiles, 1, [&](std::int64_t begin, std::int64_t end, int part) {
-      for (std::int64_t t = begin; t < end; ++t) body(t, part);
+    pool_->parallel_for(tiles, 1, [&](std::int64_t begin, std::int64_t end, int) {
+      for (std::int64_t t = begin; t < end; ++t) body(t);
     });
   }
 

@@ -13,16 +13,29 @@
 // hands its core to the operating system (or, in a virtual machine, its
 // virtual core to the host), which then takes milliseconds to get it back
 // up to speed.
+//
+// An exception thrown by the body on any thread (a worker or the caller) is
+// caught; the first one is kept, no further grains are handed out, and once
+// every thread has left the job it is rethrown on the calling thread. The
+// pool stays usable afterwards.
 
 #include <lce/core/config.hpp>
 
 #include <atomic>
 #include <chrono>
+#include <cerrno>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdint>
+#include <exception>
 #include <mutex>
 #include <thread>
+#include <utility>
 #include <vector>
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
 
 LCE_BEGIN_NAMESPACE
 namespace detail {
@@ -45,6 +58,30 @@ bool spin_until(Done&& done) {
     spin_pause();
     if (i % 256 == 0 && std::chrono::steady_clock::now() - start > window) return done();
   }
+}
+
+// The CPUs this process may run on: its affinity mask (taskset, cgroups'
+// cpusets, an MPI launcher's binding), else all hardware threads.
+inline int available_cpus() {
+#if defined(__linux__) && defined(CPU_COUNT_S)
+  // The mask may be wider than cpu_set_t (over 1024 CPUs): grow until it fits.
+  for (int cpus = CPU_SETSIZE; cpus <= (1 << 20); cpus *= 2) {
+    cpu_set_t* set = CPU_ALLOC(cpus);
+    if (set == nullptr) break;
+    const std::size_t bytes = CPU_ALLOC_SIZE(cpus);
+    CPU_ZERO_S(bytes, set);
+    const int status = sched_getaffinity(0, bytes, set);
+    const int count = status == 0 ? CPU_COUNT_S(bytes, set) : 0;
+    CPU_FREE(set);
+    if (status == 0) {
+      if (count > 0) return count;
+      break;
+    }
+    if (errno != EINVAL) break;
+  }
+#endif
+  const unsigned hardware = std::thread::hardware_concurrency();
+  return hardware > 0 ? static_cast<int>(hardware) : 1;
 }
 
 class thread_pool {
@@ -71,7 +108,8 @@ class thread_pool {
 
   // Calls body(begin, end, part) on the grains [k * grain, (k + 1) * grain)
   // of [0, count), each on whichever thread takes it; part in [0, size())
-  // names that thread (for per-thread scratch). Returns when all are done.
+  // names that thread (for per-thread scratch). Returns when all are done;
+  // if a grain threw, rethrows the first exception once all threads are out.
   template <class Body>
   void parallel_for(std::int64_t count, std::int64_t grain, Body&& body) {
     if (count <= 0) return;
@@ -84,6 +122,8 @@ class thread_pool {
       std::lock_guard lock(mutex_);
       job_ = {&invoke<std::remove_reference_t<Body>>, static_cast<void*>(&body), count, grain};
       next_grain_.store(0, std::memory_order_relaxed);
+      failed_.store(false, std::memory_order_relaxed);
+      error_ = nullptr;
       pending_.store(size_ - 1, std::memory_order_relaxed);
       generation_.fetch_add(1, std::memory_order_release);
     }
@@ -94,6 +134,8 @@ class thread_pool {
       std::unique_lock lock(mutex_);
       done_.wait(lock, all_done);
     }
+    // Every worker has counted itself out (acquire above): error_ is settled.
+    if (failed_.load(std::memory_order_relaxed)) std::rethrow_exception(std::exchange(error_, nullptr));
   }
 
  private:
@@ -109,11 +151,17 @@ class thread_pool {
     (*static_cast<Body*>(body))(begin, end, part);
   }
 
-  void take_grains(const job& work, int part) {
-    for (;;) {
-      const std::int64_t begin = next_grain_.fetch_add(1, std::memory_order_relaxed) * work.grain;
-      if (begin >= work.count) return;
-      work.call(work.body, begin, begin + work.grain < work.count ? begin + work.grain : work.count, part);
+  // Takes grains until none are left or one has thrown (on any thread).
+  void take_grains(const job& work, int part) noexcept {
+    try {
+      while (!failed_.load(std::memory_order_relaxed)) {
+        const std::int64_t begin = next_grain_.fetch_add(1, std::memory_order_relaxed) * work.grain;
+        if (begin >= work.count) return;
+        work.call(work.body, begin, begin + work.grain < work.count ? begin + work.grain : work.count, part);
+      }
+    } catch (...) {
+      // The first failure is kept; it is read after this thread's release of pending_ (or on this thread).
+      if (!failed_.exchange(true, std::memory_order_relaxed)) error_ = std::current_exception();
     }
   }
 
@@ -145,6 +193,8 @@ class thread_pool {
   std::atomic<std::int64_t> next_grain_{0};
   std::atomic<int> pending_{0};
   std::atomic<std::uint64_t> generation_{0};
+  std::atomic<bool> failed_{false};  // a grain of the current job threw
+  std::exception_ptr error_;         // the first exception of the current job
   bool stopping_ = false;  // written under mutex_ before the last generation bump
 };
 

@@ -1,0 +1,430 @@
+// The host backend itself: the thread pool's exceptions, the default thread
+// count (the CPU affinity mask), the per-call BLAS scope, and the GEMM tiling
+// (every thread gets dX tiles, a 2-byte weight is widened into one block
+// sized from the shapes, results bitwise identical across thread counts).
+#include "support/harness.hpp"
+
+#include <lce/host/detail/thread_pool.hpp>
+
+#include <cblas.h>
+#include <dlfcn.h>
+#include <sched.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <mutex>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+using namespace lce_test;
+
+// ---------------------------------------------------------------------------
+// Two BLAS entry points, interposed for this binary: they forward to the
+// library (next definition in the lookup order) and, while asked to, record
+// what lce asked for. Nothing else changes for the other tests.
+// ---------------------------------------------------------------------------
+namespace {
+
+struct gemm_call {
+  int m, n, k;
+  const float* b;
+};
+
+std::atomic<bool> recording{false};
+std::mutex recorded_mutex;
+std::vector<gemm_call> recorded_gemms;
+std::atomic<int> set_threads_calls{0};
+
+template <class Function>
+Function next_definition(const char* name) {
+  auto* function = reinterpret_cast<Function>(dlsym(RTLD_NEXT, name));
+  if (function == nullptr) std::abort();
+  return function;
+}
+
+struct record_scope {
+  record_scope() {
+    std::lock_guard lock(recorded_mutex);
+    recorded_gemms.clear();
+    set_threads_calls = 0;
+    recording = true;
+  }
+  ~record_scope() { recording = false; }
+  std::vector<gemm_call> gemms() const {
+    std::lock_guard lock(recorded_mutex);
+    return recorded_gemms;
+  }
+};
+
+}  // namespace
+
+extern "C" void cblas_sgemm(OPENBLAS_CONST enum CBLAS_ORDER order, OPENBLAS_CONST enum CBLAS_TRANSPOSE trans_a,
+                            OPENBLAS_CONST enum CBLAS_TRANSPOSE trans_b, OPENBLAS_CONST blasint m,
+                            OPENBLAS_CONST blasint n, OPENBLAS_CONST blasint k, OPENBLAS_CONST float alpha,
+                            OPENBLAS_CONST float* a, OPENBLAS_CONST blasint lda, OPENBLAS_CONST float* b,
+                            OPENBLAS_CONST blasint ldb, OPENBLAS_CONST float beta, float* c,
+                            OPENBLAS_CONST blasint ldc) {
+  using function = void (*)(CBLAS_ORDER, CBLAS_TRANSPOSE, CBLAS_TRANSPOSE, blasint, blasint, blasint, float,
+                            const float*, blasint, const float*, blasint, float, float*, blasint);
+  static const auto next = next_definition<function>("cblas_sgemm");
+  if (recording) {
+    std::lock_guard lock(recorded_mutex);
+    recorded_gemms.push_back({static_cast<int>(m), static_cast<int>(n), static_cast<int>(k), b});
+  }
+  next(order, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+
+extern "C" void openblas_set_num_threads(int threads) {
+  static const auto next = next_definition<void (*)(int)>("openblas_set_num_threads");
+  if (recording) ++set_threads_calls;
+  next(threads);
+}
+
+namespace {
+
+struct blas_threads_guard {
+  int saved = openblas_get_num_threads();
+  ~blas_threads_guard() { openblas_set_num_threads(saved); }
+};
+
+template <class Done>
+bool wait_for(Done&& done, std::chrono::seconds limit = std::chrono::seconds(30)) {
+  const auto start = std::chrono::steady_clock::now();
+  while (!done()) {
+    if (std::chrono::steady_clock::now() - start > limit) return false;
+    std::this_thread::yield();
+  }
+  return true;
+}
+
+// Sum of [0, count) through the pool: checks it still works.
+std::int64_t pool_sum(lce::detail::thread_pool& pool, std::int64_t count) {
+  std::atomic<std::int64_t> sum{0};
+  pool.parallel_for(count, 3, [&](std::int64_t begin, std::int64_t end, int) {
+    std::int64_t s = 0;
+    for (std::int64_t i = begin; i < end; ++i) s += i;
+    sum += s;
+  });
+  return sum;
+}
+
+// A [rows, cols] matrix of values exactly representable in E, as doubles and as E.
+template <class E>
+struct test_matrix {
+  std::int64_t rows, cols;
+  std::vector<double> values;
+  std::vector<E> data;
+  test_matrix(std::int64_t r, std::int64_t c, std::uint64_t seed, double scale)
+      : rows(r), cols(c), values(random_vector(r * c, seed, -scale, scale, rounder_for<E>())) {
+    for (double v : values) data.push_back(to_elem<E>(v));
+  }
+  lce::matrix_view<const E> view() const { return {data.data(), rows, cols, cols}; }
+};
+
+// max |got - a b| over the elements, relative to the largest |a b|.
+double product_error(const std::vector<float>& got, const std::vector<double>& a, const std::vector<double>& b,
+                     std::int64_t m, std::int64_t k, std::int64_t n, bool b_transposed) {
+  double worst = 0, largest = 0;
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = 0; j < n; ++j) {
+      double want = 0;
+      for (std::int64_t l = 0; l < k; ++l) want += a[i * k + l] * (b_transposed ? b[j * k + l] : b[l * n + j]);
+      worst = std::max(worst, std::fabs(double(got[i * n + j]) - want));
+      largest = std::max(largest, std::fabs(want));
+    }
+  return worst / std::max(largest, 1e-30);
+}
+
+}  // namespace
+
+// ---- thread pool -----------------------------------------------------------
+
+TEST_CASE("thread_pool: an exception thrown in a worker's grain reaches the caller, the pool stays usable") {
+  for (int threads : {2, 3, 4}) {
+    CAPTURE(threads);
+    lce::detail::thread_pool pool(threads);
+    for (int rep = 0; rep < 100; ++rep) {
+      std::atomic<bool> worker_in{false};
+      std::atomic<int> running{0};
+      bool caught = false;
+      try {
+        pool.parallel_for(64, 1, [&](std::int64_t, std::int64_t, int part) {
+          ++running;
+          if (part != 0) {
+            worker_in = true;
+            --running;
+            throw std::runtime_error("from a worker");
+          }
+          // The caller holds its grain until a worker has one, so a worker throws.
+          wait_for([&] { return worker_in.load(); });
+          --running;
+        });
+      } catch (const std::runtime_error& e) {
+        caught = std::string(e.what()) == "from a worker";
+      }
+      REQUIRE(caught);
+      CHECK(running == 0);
+      if (rep % 50 == 0) CHECK(pool_sum(pool, 1000) == 999 * 1000 / 2);
+    }
+    CHECK(pool_sum(pool, 100000) == std::int64_t{99999} * 100000 / 2);
+  }
+}
+
+TEST_CASE("thread_pool: an exception thrown on the caller waits for the workers, then reaches the caller") {
+  for (int threads : {2, 3, 4}) {
+    CAPTURE(threads);
+    lce::detail::thread_pool pool(threads);
+    for (int rep = 0; rep < 100; ++rep) {
+      std::atomic<bool> worker_in{false}, caller_in{false};
+      std::atomic<int> running{0};
+      std::vector<int> touched(256, 0);  // the body's state: must not be used after parallel_for returns
+      bool caught = false;
+      try {
+        pool.parallel_for(256, 1, [&](std::int64_t begin, std::int64_t, int part) {
+          ++running;
+          if (part == 0) {
+            caller_in = true;
+            wait_for([&] { return worker_in.load(); });
+            --running;
+            throw std::logic_error("from the caller");
+          }
+          worker_in = true;
+          // Workers hold their grains until the caller has one (it may start late on a busy machine).
+          wait_for([&] { return caller_in.load(); });
+          for (int spin = 0; spin < 2000; ++spin) lce::detail::spin_pause();
+          ++touched[static_cast<std::size_t>(begin)];
+          --running;
+        });
+      } catch (const std::logic_error& e) {
+        caught = std::string(e.what()) == "from the caller";
+      }
+      REQUIRE(caught);
+      CHECK(running == 0);
+    }
+    CHECK(pool_sum(pool, 100000) == std::int64_t{99999} * 100000 / 2);
+  }
+}
+
+TEST_CASE("thread_pool: after a failure no further grains are handed out; the first exception wins") {
+  lce::detail::thread_pool pool(3);
+  std::atomic<std::int64_t> started{0};
+  const std::int64_t count = 4000;
+  bool caught = false;
+  try {
+    pool.parallel_for(count, 1, [&](std::int64_t begin, std::int64_t, int) {
+      ++started;
+      if (begin == 5) throw std::runtime_error("grain 5");
+      std::this_thread::sleep_for(std::chrono::microseconds(500));
+    });
+  } catch (const std::runtime_error& e) {
+    caught = std::string(e.what()) == "grain 5";
+  }
+  CHECK(caught);
+  CHECK(started < count / 2);  // 4000 grains of 0.5 ms each would take a second per thread
+
+  // Several grains throwing, on every thread, many times over: one exception comes back each time.
+  for (int threads : {2, 3, 4}) {
+    lce::detail::thread_pool many(threads);
+    for (int rep = 0; rep < 100; ++rep) {
+      int thrown = 0;
+      try {
+        many.parallel_for(40, 1 + rep % 3, [&](std::int64_t begin, std::int64_t, int) {
+          if ((begin + rep) % 7 == 0) throw begin;
+        });
+      } catch (std::int64_t grain) {
+        thrown = 1;
+        CHECK((grain + rep) % 7 == 0);
+      }
+      CHECK(thrown == 1);
+    }
+    CHECK(pool_sum(many, 12345) == std::int64_t{12344} * 12345 / 2);
+  }
+}
+
+// ---- default thread count --------------------------------------------------
+
+TEST_CASE("host{} takes its thread count from the CPU affinity mask") {
+  cpu_set_t mine;
+  CPU_ZERO(&mine);
+  REQUIRE(sched_getaffinity(0, sizeof mine, &mine) == 0);
+  CHECK(lce::host{}.threads() == CPU_COUNT(&mine));
+
+  // A thread bound to one CPU (as under `taskset -c 0` or an MPI rank bound to a core).
+  int first = 0;
+  while (!CPU_ISSET(first, &mine)) ++first;
+  bool bound = false;
+  int threads = 0, explicit_threads = 0;
+  std::thread probe([&] {
+    cpu_set_t one;
+    CPU_ZERO(&one);
+    CPU_SET(first, &one);
+    bound = sched_setaffinity(0, sizeof one, &one) == 0;
+    threads = lce::host{}.threads();
+    explicit_threads = lce::host{3}.threads();
+  });
+  probe.join();
+  REQUIRE(bound);
+  CHECK(threads == 1);
+  CHECK(explicit_threads == 3);
+}
+
+// ---- per-call BLAS scope ---------------------------------------------------
+
+TEST_CASE("host::call_scope: one BLAS setting per call, none per GEMM; nested and concurrent scopes share it") {
+  blas_threads_guard guard;
+  openblas_set_num_threads(2);
+  lce::host backend{2};
+  const test_matrix<float> x(96, 64, 1, 1.0), w(300, 64, 2, 0.2);
+  std::vector<float> z(96 * 300), dx(96 * 64), dw(300 * 64, 0.0f);
+  const lce::matrix_view<float> Z{z.data(), 96, 300, 300}, DX{dx.data(), 96, 64, 64}, DW{dw.data(), 300, 64, 64};
+  {
+    auto scope = backend.begin_call();
+    CHECK(openblas_get_num_threads() == 1);
+    record_scope record;
+    for (int i = 0; i < 3; ++i) {
+      backend.logits(x.view(), w.view(), 1.0f, Z, nullptr);
+      backend.grad_hidden(lce::matrix_view<const float>(Z), w.view(), 1.0f, DX, nullptr);
+      backend.grad_weight(lce::matrix_view<const float>(Z), x.view(), 1.0f, DW);
+    }
+    CHECK(set_threads_calls == 0);
+    CHECK(openblas_get_num_threads() == 1);
+    {
+      auto nested = backend.begin_call();
+      CHECK(set_threads_calls == 0);
+    }
+    CHECK(openblas_get_num_threads() == 1);
+  }
+  CHECK(openblas_get_num_threads() == 2);
+
+  // Overlapping scopes on two threads: the setting comes back when the last one ends.
+  std::atomic<int> phase{0};
+  std::thread other([&] {
+    lce::host mine{1};
+    auto scope = mine.begin_call();
+    phase = 1;
+    wait_for([&] { return phase.load() == 2; });
+  });
+  wait_for([&] { return phase.load() == 1; });
+  {
+    auto scope = backend.begin_call();
+    CHECK(openblas_get_num_threads() == 1);
+  }
+  CHECK(openblas_get_num_threads() == 1);  // the other thread's call is still running
+  phase = 2;
+  other.join();
+  CHECK(openblas_get_num_threads() == 2);
+
+  // Without a call scope each GEMM still runs the BLAS single-threaded (and puts the setting back).
+  {
+    record_scope record;
+    backend.grad_hidden(lce::matrix_view<const float>(Z), w.view(), 1.0f, DX, nullptr);
+    CHECK(set_threads_calls == 2);
+  }
+  CHECK(openblas_get_num_threads() == 2);
+}
+
+// ---- GEMM tiling -----------------------------------------------------------
+
+TEST_CASE("grad_hidden: dX is cut into tiles (from the shapes alone) for every thread") {
+  const std::int64_t rows = 512, vocab = 200, hidden = 1024;
+  const test_matrix<float> dz(rows, vocab, 11, 1.0), w(vocab, hidden, 12, 1.0);
+  std::vector<float> reference;
+  std::size_t tiles = 0;
+  for (int threads : {1, 2, 3, 4}) {
+    CAPTURE(threads);
+    lce::host backend{threads};
+    std::vector<float> dx(static_cast<std::size_t>(rows * hidden), -1.0f);
+    std::vector<gemm_call> calls;
+    {
+      record_scope record;
+      backend.grad_hidden(dz.view(), w.view(), 0.5f, lce::matrix_view<float>{dx.data(), rows, hidden, hidden}, nullptr);
+      calls = record.gemms();
+    }
+    CHECK(calls.size() >= 4);  // enough for 4 threads (it was 2: halves of the rows)
+    std::int64_t area = 0;
+    for (const auto& c : calls) area += std::int64_t{c.m} * c.n;
+    CHECK(area == rows * hidden);  // the tiles cover dX once
+    if (threads == 1) {
+      tiles = calls.size();
+      reference = dx;
+      std::vector<float> twice(dx.size());
+      for (std::size_t i = 0; i < dx.size(); ++i) twice[i] = 2.0f * dx[i];
+      CHECK(product_error(twice, dz.values, w.values, rows, vocab, hidden, false) < 1e-5);
+    } else {
+      CHECK(calls.size() == tiles);
+      CHECK(std::memcmp(dx.data(), reference.data(), dx.size() * sizeof(float)) == 0);
+    }
+  }
+}
+
+TEST_CASE_TEMPLATE("2-byte weight: widened once per vocabulary tile into one block sized from the shapes", T,
+                   lce::bfloat16, lce::float16) {
+  const std::int64_t rows = 192, vocab = 3100, hidden = 256;
+  CHECK(lce::host{1}.weight_block_elements<T>(hidden, vocab) == lce::host{3}.weight_block_elements<T>(hidden, vocab));
+  CHECK(lce::host{1}.weight_block_elements<float>(hidden, vocab) == 0);
+  const test_matrix<T> w(vocab, hidden, 21, 0.1);
+  const test_matrix<float> x(rows, hidden, 22, 1.0), dz(rows, vocab, 23, 1.0);
+  std::vector<float> z_first, dx_first;
+  for (int threads : {1, 2, 3}) {
+    CAPTURE(threads);
+    lce::host backend{threads};
+    const std::int64_t elements = backend.weight_block_elements<T>(hidden, vocab);
+    REQUIRE(elements >= hidden);
+    std::vector<float> block(static_cast<std::size_t>(elements));
+    std::vector<float> z(static_cast<std::size_t>(rows * vocab)), dx(static_cast<std::size_t>(rows * hidden));
+    std::vector<gemm_call> calls;
+    {
+      record_scope record;
+      backend.logits(x.view(), w.view(), 1.0f, lce::matrix_view<float>{z.data(), rows, vocab, vocab}, block.data());
+      backend.grad_hidden(dz.view(), w.view(), 1.0f, lce::matrix_view<float>{dx.data(), rows, hidden, hidden},
+                          block.data());
+      calls = record.gemms();
+    }
+    // Every GEMM reads its weight rows from inside the one block.
+    for (const auto& c : calls) {
+      CHECK(c.b >= block.data());
+      CHECK(c.b < block.data() + elements);
+    }
+    if (threads == 1) {
+      CHECK(product_error(z, x.values, w.values, rows, hidden, vocab, true) < 1e-5);
+      CHECK(product_error(dx, dz.values, w.values, rows, vocab, hidden, false) < 1e-5);
+      z_first = z;
+      dx_first = dx;
+    } else {
+      CHECK(std::memcmp(z.data(), z_first.data(), z.size() * sizeof(float)) == 0);
+      CHECK(std::memcmp(dx.data(), dx_first.data(), dx.size() * sizeof(float)) == 0);
+    }
+  }
+}
+
+TEST_CASE_TEMPLATE("dX tiles and widened weight tiles: bitwise identical for 1, 2, 3 threads (V = 3000)", T, float,
+                   lce::bfloat16) {
+  using O = out_t<T>;
+  blas_threads_guard guard;
+  problem p = make_problem(410, 256, 3000, 777, rounder_for<T>(), 1.0, 0.1, 0.1);
+  const auto g = random_vector(p.n, 5, -1.0, 1.0, rounder_for<O>());
+  const auto hg = random_vector(p.n, 6, -0.5, 0.5, rounder_for<O>());
+  const auto pre = random_vector(p.v * p.h, 7, -1.0, 1.0, rounder_for<float>());
+  // chunk 0: the budget policy under a limit that binds (a few chunks of about 290 tokens)
+  for (std::int64_t chunk : {std::int64_t{200}, std::int64_t{260}, std::int64_t{0}}) {
+    CAPTURE(chunk);
+    auto opt = make_options(1.0f, 0.0f, chunk);
+    if (chunk == 0) opt.workspace_limit_bytes = std::size_t{5} << 20;
+    openblas_set_num_threads(2);
+    auto base_op = make_op<T>(opt, 1);
+    if (chunk == 0) CHECK(base_op.chunk_tokens(p.n, p.h, p.v) >= 200);
+    const auto base = exercise<T, float>(base_op, p, g, hg, pre);
+    for (int threads : {2, 3}) {
+      CAPTURE(threads);
+      auto op = make_op<T>(opt, threads);
+      CHECK(op.chunk_tokens(p.n, p.h, p.v) == base_op.chunk_tokens(p.n, p.h, p.v));
+      const auto diff = exercise<T, float>(op, p, g, hg, pre).bitwise_diff(base);
+      CHECK_MESSAGE(diff.empty(), "host{" << threads << "} vs host{1}: " << diff);
+    }
+  }
+}
