@@ -10,9 +10,11 @@
 //   Backend  where the arithmetic runs                   lce::host (default)
 //
 // Arguments are any views modelling matrix_like / vector_like (lce's views,
-// cuda::std::mdspan, std::mdspan). Every argument is checked before any
-// output is written; a bad one raises lce::error naming it. An operator is
-// not meant to be used by two threads at once (it keeps its scratch).
+// cuda::std::mdspan, std::mdspan, or any type with an lce::view_traits
+// specialisation). Every argument is checked before any output is written; a
+// bad one raises lce::error naming it, on every rank at once. An operator
+// serves one call at a time (it keeps its scratch): a second thread calling
+// it meanwhile gets an lce::error.
 
 #include <lce/comm/communicator.hpp>
 #include <lce/core/backend.hpp>
@@ -50,17 +52,23 @@ class ChunkedHiddenToLogprobs {
   template <matrix_like Hidden, matrix_like Weight, vector_like Targets, vector_like Logprobs, vector_like Lse>
   void forward(const Hidden& hidden, const Weight& weight, const Targets& targets, const Logprobs& logprobs,
                const Lse& lse) {
-    auto no_entropy = vector_view<compute_type>{};
-    engine_.forward(inputs(hidden, weight, targets), result(logprobs, "logprobs"), result(lse, "lse"), no_entropy,
-                    false);
+    detail::deferred_failure failure;
+    const auto in = failure([&] { return inputs(hidden, weight, targets); });
+    const auto lp = failure([&] { return result(logprobs, "logprobs"); });
+    const auto ls = failure([&] { return result(lse, "lse"); });
+    engine_.forward(failure, in, lp, ls, vector_view<compute_type>{}, false);
   }
 
   template <matrix_like Hidden, matrix_like Weight, vector_like Targets, vector_like Logprobs, vector_like Lse,
             vector_like Entropy>
   void forward(const Hidden& hidden, const Weight& weight, const Targets& targets, const Logprobs& logprobs,
                const Lse& lse, const Entropy& entropy) {
-    engine_.forward(inputs(hidden, weight, targets), result(logprobs, "logprobs"), result(lse, "lse"),
-                    result(entropy, "entropy"), true);
+    detail::deferred_failure failure;
+    const auto in = failure([&] { return inputs(hidden, weight, targets); });
+    const auto lp = failure([&] { return result(logprobs, "logprobs"); });
+    const auto ls = failure([&] { return result(lse, "lse"); });
+    const auto en = failure([&] { return result(entropy, "entropy"); });
+    engine_.forward(failure, in, lp, ls, en, true);
   }
 
   // Given lse from forward and dL/dlogprobs: grad_hidden OVERWRITTEN, grad_weight ACCUMULATED (+=).
@@ -68,9 +76,13 @@ class ChunkedHiddenToLogprobs {
             matrix_like GradHidden, matrix_like GradWeight>
   void backward(const Hidden& hidden, const Weight& weight, const Targets& targets, const Lse& lse,
                 const GradLogprobs& grad_logprobs, const GradHidden& grad_hidden, const GradWeight& grad_weight) {
-    auto no_entropy = vector_view<const compute_type>{};
-    engine_.backward(inputs(hidden, weight, targets), given(lse, "lse"), given(grad_logprobs, "grad_logprobs"),
-                     no_entropy, false, gradient(grad_hidden, "grad_hidden"), gradient(grad_weight, "grad_weight"));
+    detail::deferred_failure failure;
+    const auto in = failure([&] { return inputs(hidden, weight, targets); });
+    const auto ls = failure([&] { return given(lse, "lse"); });
+    const auto gl = failure([&] { return given(grad_logprobs, "grad_logprobs"); });
+    const auto gx = failure([&] { return gradient(grad_hidden, "grad_hidden"); });
+    const auto gw = failure([&] { return gradient(grad_weight, "grad_weight"); });
+    engine_.backward(failure, in, ls, gl, vector_view<const compute_type>{}, false, gx, gw);
   }
 
   // As above, with dL/dentropy as well.
@@ -79,9 +91,14 @@ class ChunkedHiddenToLogprobs {
   void backward(const Hidden& hidden, const Weight& weight, const Targets& targets, const Lse& lse,
                 const GradLogprobs& grad_logprobs, const GradEntropy& grad_entropy, const GradHidden& grad_hidden,
                 const GradWeight& grad_weight) {
-    engine_.backward(inputs(hidden, weight, targets), given(lse, "lse"), given(grad_logprobs, "grad_logprobs"),
-                     given(grad_entropy, "grad_entropy"), true, gradient(grad_hidden, "grad_hidden"),
-                     gradient(grad_weight, "grad_weight"));
+    detail::deferred_failure failure;
+    const auto in = failure([&] { return inputs(hidden, weight, targets); });
+    const auto ls = failure([&] { return given(lse, "lse"); });
+    const auto gl = failure([&] { return given(grad_logprobs, "grad_logprobs"); });
+    const auto ge = failure([&] { return given(grad_entropy, "grad_entropy"); });
+    const auto gx = failure([&] { return gradient(grad_hidden, "grad_hidden"); });
+    const auto gw = failure([&] { return gradient(grad_weight, "grad_weight"); });
+    engine_.backward(failure, in, ls, gl, ge, true, gx, gw);
   }
 
   // One sweep when dL/dlogprobs is known before the forward (NLL, weighted CE):
@@ -91,22 +108,32 @@ class ChunkedHiddenToLogprobs {
   void forward_backward(const Hidden& hidden, const Weight& weight, const Targets& targets,
                         const GradLogprobs& grad_logprobs, const Logprobs& logprobs, const GradHidden& grad_hidden,
                         const GradWeight& grad_weight) {
-    engine_.forward_backward(inputs(hidden, weight, targets), given(grad_logprobs, "grad_logprobs"),
-                             result(logprobs, "logprobs"), gradient(grad_hidden, "grad_hidden"),
-                             gradient(grad_weight, "grad_weight"));
+    detail::deferred_failure failure;
+    const auto in = failure([&] { return inputs(hidden, weight, targets); });
+    const auto gl = failure([&] { return given(grad_logprobs, "grad_logprobs"); });
+    const auto lp = failure([&] { return result(logprobs, "logprobs"); });
+    const auto gx = failure([&] { return gradient(grad_hidden, "grad_hidden"); });
+    const auto gw = failure([&] { return gradient(grad_weight, "grad_weight"); });
+    engine_.forward_backward(failure, in, gl, lp, gx, gw);
   }
 
-  // Bytes of scratch the calls above allocate for these sizes (an upper bound
-  // over the calls; for a 2-byte T it includes the fp32 dW accumulator that a
-  // grad_weight of type T needs).
+  // Bytes of scratch the calls above allocate for these sizes: the sweep's
+  // buffer plus, for a 2-byte T, the fp32 [V_local, H] dW accumulator that a
+  // grad_weight of type T needs (an upper bound over the calls). With several
+  // ranks a call uses the smallest chunk over ranks, so at most this.
   std::size_t workspace_bytes(std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local) const {
     return engine_.workspace_bytes(n_tokens, hidden, vocab_local);
   }
 
-  // The chunk the calls use for these sizes.
+  // The chunk (rows of the logit block) this rank would use for these sizes.
   std::int64_t chunk_tokens(std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local) const {
     return engine_.chunk_tokens(n_tokens, hidden, vocab_local);
   }
+
+  // Scratch is kept between calls (the next call of the same size allocates
+  // nothing); these say how much is held and give it back.
+  std::size_t held_workspace_bytes() const { return engine_.held_workspace_bytes(); }
+  void release_workspace() { engine_.release_workspace(); }
 
   const options& settings() const { return engine_.settings(); }
   const Comm& comm() const { return engine_.comm(); }
@@ -116,7 +143,7 @@ class ChunkedHiddenToLogprobs {
   static auto inputs(const Hidden& hidden, const Weight& weight, const Targets& targets) {
     static_assert(std::is_same_v<value_of<Hidden>, T>, "hidden: element type must be the operator's T");
     static_assert(std::is_same_v<value_of<Weight>, T>, "weight: element type must be the operator's T");
-    static_assert(index_type<value_of<Targets>>, "targets: element type must be std::int32_t or std::int64_t");
+    static_assert(target_id_type<value_of<Targets>>, "targets: element type must be std::int32_t or std::int64_t");
     return detail::operator_inputs<T, value_of<Targets>>{
         detail::to_matrix_view(hidden, "hidden"), detail::to_matrix_view(weight, "weight"),
         detail::to_vector_view(targets, "targets")};

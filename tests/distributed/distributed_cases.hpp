@@ -188,9 +188,10 @@ inline collective_counts expected_collectives(call_kind kind, const call_shape& 
   if (s.ranks == 1) return e;
   const std::int64_t p = s.ranks;
   const bool sp = s.sequence_parallel;
-  e.all_agree = shards_unknown ? 1 : 0;
+  (void)shards_unknown;  // one exchange per call, whether or not the shards changed
+  e.all_agree = 0;
   e.all_gather_host = 1;
-  e.host_values = 6;
+  e.host_values = 12;
   const std::int64_t local_tokens = sp ? s.n_tokens / p : s.n_tokens;
   const std::int64_t local_chunk = std::clamp<std::int64_t>(sp ? s.chunk_tokens / p : s.chunk_tokens, 1,
                                                             std::max<std::int64_t>(local_tokens, 1));
@@ -761,7 +762,7 @@ void check_bad_input_everywhere(const Comm& comm) {
   const std::int64_t v0 = cfg.vocab_start(rank), vr = cfg.shard_rows[static_cast<std::size_t>(rank)];
   const std::vector<T> weight = rows_of(p.w, h, v0, vr);
   const std::string where = "rank " + std::to_string(rank) + "/" + std::to_string(ranks) + ": ";
-  const std::string someone_else = "another rank (not " + std::to_string(rank) + ") rejected its arguments";
+  const auto rejected_by = [](int r) { return "rank " + std::to_string(r) + " rejected its arguments"; };
 
   const auto X = lce::matrix_view<const T>{p.x.data(), n, h};
   const auto W = lce::matrix_view<const T>{weight.data(), vr, h};
@@ -784,29 +785,39 @@ void check_bad_input_everywhere(const Comm& comm) {
   options.chunk_tokens = cfg.chunk_tokens;
   lce::ChunkedHiddenToLogprobs<Comm, T, lce::budget_chunk, lce::host> op(comm, options, lce::host{1});
 
-  // 1. A target outside [0, V) on the last rank only, on the op's first call.
+  // 1. A target outside [0, V) (on every rank: all pass the same targets), on the op's first call.
   {
     std::vector<std::int64_t> y = p.y;
-    if (rank == ranks - 1) y[5] = v;
+    y[5] = v;
     const std::string message =
         error_of([&] { op.forward(X, W, lce::vector_view<const std::int64_t>{y.data(), n}, LP, LSE, ENT); });
-    const std::string expected = rank == ranks - 1 ? "targets[5] = " + std::to_string(v) +
-                                                         " is outside the vocabulary [0, " + std::to_string(v) + ")"
-                                                   : someone_else;
-    CHECK_MESSAGE(contains(message, expected), where << "first call, target out of range on rank " << ranks - 1
-                                                     << ": expected an lce::error containing \"" << expected
-                                                     << "\", got \"" << message << "\"");
+    const std::string expected =
+        "targets[5] = " + std::to_string(v) + " is outside the vocabulary [0, " + std::to_string(v) + ")";
+    CHECK_MESSAGE(contains(message, expected), where << "first call, target out of range: expected an lce::error "
+                                                     << "containing \"" << expected << "\", got \"" << message << "\"");
     CHECK_MESSAGE(nothing_written(), where << "outputs were written before the error");
   }
-  // 2. The same op, a later call (shards known): a negative target on rank 0 only.
+  // 2. The same op, a later call (shards known): a negative target.
   {
     std::vector<std::int64_t> y = p.y;
-    if (rank == 0) y[2] = -7;
+    y[2] = -7;
     const std::string message = error_of([&] {
       op.forward_backward(X, W, lce::vector_view<const std::int64_t>{y.data(), n}, G, LP, DX, DW);
     });
-    const std::string expected = rank == 0 ? "targets[2] = -7 is outside the vocabulary" : someone_else;
-    CHECK_MESSAGE(contains(message, expected), where << "later call, target -7 on rank 0: expected \"" << expected
+    const std::string expected = "targets[2] = -7 is outside the vocabulary";
+    CHECK_MESSAGE(contains(message, expected), where << "later call, target -7: expected \"" << expected
+                                                     << "\", got \"" << message << "\"");
+    CHECK_MESSAGE(nothing_written(), where << "outputs were written before the error");
+  }
+  // 2b. Valid targets, but rank 0's differ from the others': the hashes disagree.
+  if (ranks > 1) {
+    std::vector<std::int64_t> y = p.y;
+    if (rank == 0) y[3] = (y[3] + 1) % v;
+    const std::string message = error_of([&] {
+      op.forward_backward(X, W, lce::vector_view<const std::int64_t>{y.data(), n}, G, LP, DX, DW);
+    });
+    const std::string expected = "targets: the hash of the target ids differs across ranks";
+    CHECK_MESSAGE(contains(message, expected), where << "other targets on rank 0: expected \"" << expected
                                                      << "\", got \"" << message << "\"");
     CHECK_MESSAGE(nothing_written(), where << "outputs were written before the error");
   }
@@ -819,7 +830,7 @@ void check_bad_input_everywhere(const Comm& comm) {
       op.backward(X, W, lce::vector_view<const std::int64_t>{y.data(), n}, lce::vector_view<const float>{lse.data(), n},
                   G, lce::matrix_view<float>{dx.data(), rows, h}, DW);
     });
-    const std::string expected = rank == bad ? "grad_hidden: shape " + std::to_string(n - 1) : someone_else;
+    const std::string expected = rank == bad ? "grad_hidden: shape " + std::to_string(n - 1) : rejected_by(bad);
     CHECK_MESSAGE(contains(message, expected), where << "grad_hidden of the wrong shape on rank " << bad
                                                      << ": expected \"" << expected << "\", got \"" << message
                                                      << "\"");
@@ -898,7 +909,8 @@ void check_bad_input_everywhere(const Comm& comm) {
                     lce::vector_view<const std::int64_t>{p.y.data(), n}, lce::vector_view<float>{out.data(), n},
                     lce::vector_view<float>{out_lse.data(), n});
     });
-    const std::string expected = rank == ranks - 1 ? "weight: this rank's vocabulary shard is empty" : someone_else;
+    const std::string expected =
+        rank == ranks - 1 ? "weight: this rank's vocabulary shard is empty" : rejected_by(ranks - 1);
     CHECK_MESSAGE(contains(message, expected), where << "empty shard on rank " << ranks - 1 << ": expected \""
                                                      << expected << "\", got \"" << message << "\"");
   }
@@ -918,15 +930,14 @@ void check_bad_input_everywhere(const Comm& comm) {
     });
     const std::string expected = rank == 0 ? "targets: size " + std::to_string(total) + " is not ranks (" +
                                                  std::to_string(ranks) + ") x the 4 rows of hidden"
-                                           : someone_else;
+                                           : rejected_by(0);
     CHECK_MESSAGE(contains(message, expected), where << "sequence parallel, 4 hidden rows on rank 0: expected \""
                                                      << expected << "\", got \"" << message << "\"");
   }
 }
 
 // When the last rank's shard grows by one row on a later call, every rank
-// re-checks the tiling (the call's exchange plus 1 all_agree on the
-// targets), the new id becomes a valid target, and results match a
+// re-checks the tiling (within the call's one exchange), the new id becomes a valid target, and results match a
 // single-rank run over the grown vocabulary.
 template <class Comm>
 void check_shard_change(const Comm& comm) {

@@ -260,7 +260,7 @@ std::vector<double> to_doubles(const std::vector<R>& v) {
 // scaled by `scale`): double arithmetic for double, fp32 otherwise.
 template <class T>
 double base_tol() {
-  return std::is_same_v<T, double> ? 1e-10 : 1e-4;
+  return std::is_same_v<T, double> ? 1e-10 : 1e-5;
 }
 
 // Default options with a given temperature/softcap/chunk.
@@ -383,7 +383,7 @@ void check_against_reference(const outputs<T, G>& o, const problem& p, const std
   const auto gr = reference_backward(p, ref, g, hg);
   const auto gr_fb = reference_backward(p, ref, g, {});
   const double bt = base_tol<T>();
-  const double gbt = (std::is_same_v<T, double> && std::is_same_v<G, double>) ? 1e-10 : 1e-4;
+  const double gbt = (std::is_same_v<T, double> && std::is_same_v<G, double>) ? 1e-10 : 1e-5;
   auto cmp_vec = [&](const char* what, const auto& buf, const std::vector<real>& want, bool zero_ignored) {
     return compare(
         what, p.n, [&](std::int64_t i) { return buf.get(i); },

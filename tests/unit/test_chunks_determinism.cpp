@@ -43,11 +43,16 @@ TEST_CASE_TEMPLATE("every chunk size gives the reference answer", T, float, doub
     check_close(o, runs.front(), eq_tol);
   }
   {
-    INFO("policy lce::fixed_chunk<4> overridden by chunk_tokens = 1");
-    auto op = make_op<T, lce::fixed_chunk<4>>(opts(1));
+    INFO("policy lce::fixed_chunk<4> wins: chunk_tokens = 4 agrees, chunk_tokens = 1 is an error");
+    auto op = make_op<T, lce::fixed_chunk<4>>(opts(4));
+    CHECK(op.chunk_tokens(n, p.h, p.v) == 4);
     auto o = exercise<T, float>(op, p, g, hg, pre);
     check_against_reference(o, p, g, hg, pre);
     check_close(o, runs.front(), eq_tol);
+    const auto conflicting = [&] { return make_op<T, lce::fixed_chunk<4>>(opts(1)); };
+    CHECK_THROWS_WITH_AS(conflicting(),
+                         doctest::Contains("chunk_tokens = 1 conflicts with the compile-time chunk policy fixed_chunk<4>"),
+                         lce::error);
   }
   {
     INFO("default (budget) policy, gradients of element T");
@@ -62,14 +67,16 @@ TEST_CASE_TEMPLATE("outputs are bitwise identical across runs and thread counts"
                    lce::float16) {
   using O = out_t<T>;
   blas_threads_guard guard;
-  problem p = make_problem(300, 48, 700, 4242, rounder_for<T>(), 1.0, 1.0, 0.1);
+  // V = 3000 spans several GEMM tiles and row-pass grains; chunks of 200+
+  // rows split dX over several row tiles.
+  problem p = make_problem(640, 48, 3000, 4242, rounder_for<T>(), 1.0, 1.0, 0.1);
   p.tau = 0.9f;
   const auto g = random_vector(p.n, 1, -1.0, 1.0, rounder_for<O>());
   const auto hg = random_vector(p.n, 2, -0.5, 0.5, rounder_for<O>());
   const auto pre_f = random_vector(p.v * p.h, 3, -1.0, 1.0, rounder_for<float>());
   const auto pre_t = random_vector(p.v * p.h, 4, -1.0, 1.0, rounder_for<T>());
 
-  for (std::int64_t chunk : {std::int64_t{0}, std::int64_t{64}, std::int64_t{37}}) {
+  for (std::int64_t chunk : {std::int64_t{0}, std::int64_t{256}, std::int64_t{211}}) {
     CAPTURE(chunk);
     const auto opt = make_options(p.tau, 0.0f, chunk);
     openblas_set_num_threads(1);

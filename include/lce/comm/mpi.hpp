@@ -35,6 +35,9 @@ class mpi {
   int size() const { return size_; }
   MPI_Comm handle() const { return comm_; }
 
+  // MPI counts in int: the operator sizes its per-chunk messages below this.
+  static constexpr std::size_t max_message_bytes() { return INT_MAX; }
+
   void all_gather_bytes(const void* send, void* receive, std::size_t bytes) const {
     check(MPI_Allgather(send, count_of(bytes), MPI_BYTE, receive, count_of(bytes), MPI_BYTE, comm_),
           "MPI_Allgather");

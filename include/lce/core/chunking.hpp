@@ -3,7 +3,17 @@
 //
 // Bigger chunks make better GEMMs; the logit block of a chunk is the one
 // buffer whose size grows with the vocabulary, so the chunk is what bounds
-// memory. `options.chunk_tokens > 0` overrides any policy at run time.
+// memory.
+//
+// Who decides, in order:
+//   fixed_chunk<K>        K, always; an options.chunk_tokens other than 0 or K is an error
+//   options.chunk_tokens  > 0: that many rows (with budget_chunk or any run-time policy)
+//   the policy            asked with the call's shapes and options.workspace_limit_bytes
+// With several ranks every rank proposes its chunk and all use the smallest,
+// so ranks may differ in budget or threads. The chunk is also capped so that
+// each per-chunk message fits a communicator's int count (MPI). A fixed
+// chunk cannot size the scratch at compile time: its logit block is
+// K x V_local, and V_local is known at run time only.
 
 #include <lce/core/config.hpp>
 
@@ -29,7 +39,7 @@ concept chunk_policy = std::default_initializable<P> && requires(const P& policy
   { policy.tokens_per_chunk(request) } -> std::convertible_to<std::int64_t>;
 };
 
-// A chunk fixed at compile time.
+// A chunk fixed at compile time: it wins over options.chunk_tokens.
 template <std::int64_t Tokens>
   requires(Tokens > 0)
 struct fixed_chunk {
@@ -48,6 +58,12 @@ struct budget_chunk {
   }
 };
 
-static_assert(chunk_policy<budget_chunk> && chunk_policy<fixed_chunk<256>>);
+// A policy whose chunk is a compile-time constant (`P::tokens`).
+template <class P>
+concept fixed_chunk_policy = chunk_policy<P> && requires {
+  { P::tokens } -> std::convertible_to<std::int64_t>;
+};
+
+static_assert(chunk_policy<budget_chunk> && fixed_chunk_policy<fixed_chunk<256>> && !fixed_chunk_policy<budget_chunk>);
 
 LCE_END_NAMESPACE

@@ -110,7 +110,7 @@ concept result_type = std::same_as<T, float> || std::same_as<T, double>;
 
 // Target ids.
 template <class T>
-concept index_type = std::same_as<T, std::int32_t> || std::same_as<T, std::int64_t>;
+concept target_id_type = std::same_as<T, std::int32_t> || std::same_as<T, std::int64_t>;
 
 namespace detail {
 

@@ -9,6 +9,7 @@
 #include <lce/core/options.hpp>
 #include <lce/core/views.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
@@ -26,13 +27,17 @@ inline void check_options(const options& opt) {
   expects(opt.vocab_start >= 0, "vocab_start must be >= 0, got ", opt.vocab_start);
 }
 
+// `extent_limit`: the largest rows, cols and ld the backend's GEMMs take
+// (BLAS counts in int), named here as the caller's argument.
 template <class E>
-void check_matrix(const matrix_view<E>& m, const char* name) {
+void check_matrix(const matrix_view<E>& m, const char* name, std::int64_t extent_limit = INT64_MAX) {
   expects(m.rows >= 0 && m.cols >= 0, name, ": negative shape ", m.rows, " x ", m.cols);
-  expects(m.rows <= 1 || m.ld >= m.cols, name, ": leading dimension ld = ", m.ld, " is smaller than cols = ",
-          m.cols);
+  expects(m.rows == 0 || m.ld >= std::max<std::int64_t>(m.cols, 1), name, ": leading dimension ld = ", m.ld,
+          " is smaller than cols = ", m.cols, " (rows ", m.rows, ")");
   expects(m.data != nullptr || m.rows == 0 || m.cols == 0, name, ": null data for a ", m.rows, " x ", m.cols,
           " matrix");
+  expects(m.rows <= extent_limit && m.cols <= extent_limit && m.ld <= extent_limit, name, ": shape ", m.rows,
+          " x ", m.cols, " with ld ", m.ld, " exceeds the GEMMs' integer range (", extent_limit, ")");
 }
 
 template <class E>
@@ -48,9 +53,9 @@ void check_rows(const vector_view<E>& v, const char* name, std::int64_t rows, co
 }
 
 template <class E>
-void check_shape(const matrix_view<E>& m, const char* name, std::int64_t rows, std::int64_t cols,
-                 const char* like) {
-  check_matrix(m, name);
+void check_shape(const matrix_view<E>& m, const char* name, std::int64_t rows, std::int64_t cols, const char* like,
+                 std::int64_t extent_limit = INT64_MAX) {
+  check_matrix(m, name, extent_limit);
   expects(m.rows == rows && m.cols == cols, name, ": shape ", m.rows, " x ", m.cols, " does not match ", like,
           " (", rows, " x ", cols, ")");
 }

@@ -6,6 +6,7 @@
 // Only the logit block scales with the vocabulary, times the chunk.
 
 #include <lce/core/config.hpp>
+#include <lce/core/error.hpp>
 #include <lce/core/row_math.hpp>
 
 #include <algorithm>
@@ -17,8 +18,37 @@ namespace detail {
 
 inline constexpr std::size_t workspace_alignment = 64;
 
-constexpr std::size_t align_up(std::size_t bytes) {
-  return (bytes + workspace_alignment - 1) / workspace_alignment * workspace_alignment;
+// A byte count that remembers whether it ever wrapped: sizes come from the
+// caller's shapes, and workspace_bytes(1, 2^32, 2^32) must say "too big",
+// not a wrapped small number.
+struct checked_size {
+  std::size_t value = 0;
+  bool overflow = false;
+
+  checked_size() = default;
+  constexpr checked_size(std::size_t v) : value(v) {}  // NOLINT: plain sizes mix in freely
+  static constexpr checked_size of(std::int64_t v) {
+    checked_size size;
+    size.overflow = v < 0;
+    size.value = v < 0 ? 0 : static_cast<std::size_t>(v);
+    return size;
+  }
+  friend constexpr checked_size operator+(checked_size a, checked_size b) {
+    checked_size sum;
+    sum.overflow = a.overflow || b.overflow || __builtin_add_overflow(a.value, b.value, &sum.value);
+    return sum;
+  }
+  friend constexpr checked_size operator*(checked_size a, checked_size b) {
+    checked_size product;
+    product.overflow = a.overflow || b.overflow || __builtin_mul_overflow(a.value, b.value, &product.value);
+    return product;
+  }
+};
+
+constexpr checked_size align_up(checked_size bytes) {
+  checked_size padded = bytes + (workspace_alignment - 1);
+  padded.value = padded.value / workspace_alignment * workspace_alignment;
+  return padded;
 }
 
 // What shapes the scratch, apart from the chunk.
@@ -35,7 +65,7 @@ struct workspace_shape {
 // Per-chunk arrays of one value per row, in compute type.
 enum row_array : int { row_lse, row_logprobs, row_entropy, row_grad_logprobs, row_grad_entropy, row_mean_centred, row_arrays };
 
-template <class A>
+template <class Compute>
 struct workspace_plan {
   std::int64_t chunk = 1;        // rows of the logit block
   std::int64_t local_chunk = 1;  // of which this rank's own hidden rows (sequence parallel), else = chunk
@@ -47,57 +77,63 @@ struct workspace_plan {
 
   static constexpr std::size_t parts = 11;
 
-  static std::int64_t padded_ld(std::int64_t vocab_local) {
-    constexpr auto per_line = static_cast<std::int64_t>(workspace_alignment / sizeof(A));
+  // vocab_local rounded up to whole cache lines; INT64_MAX where that overflows.
+  static constexpr std::int64_t padded_ld(std::int64_t vocab_local) {
+    constexpr auto per_line = static_cast<std::int64_t>(workspace_alignment / sizeof(Compute));
+    if (vocab_local > INT64_MAX - per_line) return INT64_MAX;
     return std::max<std::int64_t>(per_line, (vocab_local + per_line - 1) / per_line * per_line);
   }
 
   // Bytes a row of the logit block costs (an upper bound), for the chunk policy.
-  static std::size_t bytes_per_token(const workspace_shape& shape) {
-    const auto a = sizeof(A);
-    const auto h = static_cast<std::size_t>(shape.hidden);
+  static checked_size bytes_per_token(const workspace_shape& shape) {
+    const checked_size a = sizeof(Compute);
+    const auto h = checked_size::of(shape.hidden);
     const auto ranks = static_cast<std::size_t>(shape.ranks);
-    std::size_t bytes = static_cast<std::size_t>(padded_ld(shape.vocab_local)) * a + h * a + row_arrays * a +
-                        (ranks > 1 ? 1 + ranks : 1) * sizeof(row_partial<A>);
-    if (shape.widen_hidden) bytes += h * a;
-    if (shape.sequence_parallel) bytes += 2 * h * shape.storage_bytes + h * a + sizeof(std::int64_t);
+    checked_size bytes = checked_size::of(padded_ld(shape.vocab_local)) * a + h * a + row_arrays * a +
+                         checked_size(ranks > 1 ? 1 + ranks : 1) * sizeof(row_partial<Compute>);
+    if (shape.widen_hidden) bytes = bytes + h * a;
+    if (shape.sequence_parallel) bytes = bytes + h * (2 * shape.storage_bytes) + h * a + sizeof(std::int64_t);
     return bytes;
   }
-  static std::size_t fixed_bytes(const workspace_shape& shape) {
-    return static_cast<std::size_t>(shape.weight_block_elements) * sizeof(A) + parts * workspace_alignment;
+  static checked_size fixed_bytes(const workspace_shape& shape) {
+    return checked_size::of(shape.weight_block_elements) * sizeof(Compute) + parts * workspace_alignment;
   }
 
   // `local_chunk` rows of hidden per rank; the logit block has ranks times as
-  // many under sequence parallelism.
+  // many under sequence parallelism. Raises lce::error if the bytes overflow.
   static workspace_plan make(const workspace_shape& shape, std::int64_t local_chunk) {
     workspace_plan plan;
     const std::int64_t gathered_rows = shape.sequence_parallel ? local_chunk * shape.ranks : local_chunk;
     plan.chunk = gathered_rows;
     plan.local_chunk = local_chunk;
     plan.logits_ld = padded_ld(shape.vocab_local);
-    const auto c = static_cast<std::size_t>(gathered_rows);
-    const auto c_local = static_cast<std::size_t>(local_chunk);
-    const auto h = static_cast<std::size_t>(shape.hidden);
+    const auto c = checked_size::of(gathered_rows);
+    const auto c_local = checked_size::of(local_chunk);
+    const auto h = checked_size::of(shape.hidden);
+    const checked_size a = sizeof(Compute);
     const auto ranks = static_cast<std::size_t>(shape.ranks);
     const bool sp = shape.sequence_parallel;
-    std::size_t offset = 0;
-    const auto take = [&offset](std::size_t bytes) {
-      const std::size_t at = offset;
-      offset += align_up(bytes);
+    checked_size offset;
+    const auto take = [&offset](checked_size bytes) {
+      const std::size_t at = offset.value;
+      offset = offset + align_up(bytes);
       return at;
     };
-    plan.logits = take(c * static_cast<std::size_t>(plan.logits_ld) * sizeof(A));
-    plan.hidden_stage = take(shape.widen_hidden ? c * h * sizeof(A) : 0);
-    plan.hidden_gather = take(sp ? c * h * shape.storage_bytes : 0);
-    plan.hidden_send = take(sp ? c_local * h * shape.storage_bytes : 0);
-    plan.grad_hidden_stage = take(c * h * sizeof(A));
-    plan.grad_hidden_local = take(sp ? c_local * h * sizeof(A) : 0);
-    plan.weight_block = take(static_cast<std::size_t>(shape.weight_block_elements) * sizeof(A));
-    plan.partials = take(c * sizeof(row_partial<A>));
-    plan.gathered = take(ranks > 1 ? c * ranks * sizeof(row_partial<A>) : 0);
-    plan.rows = take(c * row_arrays * sizeof(A));
-    plan.targets = take(sp ? c * sizeof(std::int64_t) : 0);
-    plan.bytes = offset;
+    const checked_size none;
+    plan.logits = take(c * checked_size::of(plan.logits_ld) * a);
+    plan.hidden_stage = take(shape.widen_hidden ? c * h * a : none);
+    plan.hidden_gather = take(sp ? c * h * shape.storage_bytes : none);
+    plan.hidden_send = take(sp ? c_local * h * shape.storage_bytes : none);
+    plan.grad_hidden_stage = take(c * h * a);
+    plan.grad_hidden_local = take(sp ? c_local * h * a : none);
+    plan.weight_block = take(checked_size::of(shape.weight_block_elements) * a);
+    plan.partials = take(c * sizeof(row_partial<Compute>));
+    plan.gathered = take(ranks > 1 ? c * ranks * sizeof(row_partial<Compute>) : none);
+    plan.rows = take(c * row_arrays * a);
+    plan.targets = take(sp ? c * sizeof(std::int64_t) : none);
+    expects(!offset.overflow, "workspace: a chunk of ", gathered_rows, " rows at hidden size ", shape.hidden,
+            " and vocabulary shard ", shape.vocab_local, " needs more bytes than size_t holds");
+    plan.bytes = offset.value;
     return plan;
   }
 };

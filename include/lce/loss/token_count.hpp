@@ -19,7 +19,7 @@ LCE_BEGIN_NAMESPACE
 // Targets that are not ignore_index (host memory).
 template <vector_like Targets>
 std::int64_t count_tokens(const Targets& targets, std::int64_t ignore_index = -100) {
-  static_assert(index_type<value_of<Targets>>, "targets: element type must be std::int32_t or std::int64_t");
+  static_assert(target_id_type<value_of<Targets>>, "targets: element type must be std::int32_t or std::int64_t");
   const auto view = detail::to_vector_view(targets, "targets");
   std::int64_t count = 0;
   for (std::int64_t i = 0; i < view.size; ++i) count += static_cast<std::int64_t>(view.data[i]) != ignore_index;

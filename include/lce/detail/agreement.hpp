@@ -1,0 +1,161 @@
+#pragma once
+// How the ranks of a group agree on a call before any collective moves data.
+//
+// Each rank checks its own arguments, plans its own workspace and reserves
+// it, then tells the others, in one exchange of a few integers, everything
+// the call depends on: whether its checks passed, the shapes, its shard of
+// the vocabulary, the options that change the numbers, a hash of its targets
+// and the largest chunk it can afford. Every rank then holds the same
+// records, so every rank takes the same decision: all run the call with the
+// smallest chunk, or all raise the same lce::error. No rank is left waiting
+// in a collective; no rank computes with another's settings.
+
+#include <lce/comm/communicator.hpp>
+#include <lce/core/config.hpp>
+#include <lce/core/error.hpp>
+#include <lce/core/options.hpp>
+#include <lce/core/views.hpp>
+
+#include <algorithm>
+#include <bit>
+#include <cstddef>
+#include <cstdint>
+#include <sstream>
+#include <string>
+#include <vector>
+
+LCE_BEGIN_NAMESPACE
+namespace detail {
+
+// What one rank tells the others about a call (host values).
+struct call_record {
+  static constexpr std::int64_t values = 12;
+
+  std::int64_t ok = 0;  // 1: this rank's own checks and workspace passed
+  std::int64_t n_tokens = 0;
+  std::int64_t hidden = 0;
+  std::int64_t vocab_start = 0;
+  std::int64_t vocab_local = 0;
+  std::int64_t chunk = 0;  // logit-block rows this rank's workspace allows
+  std::int64_t sequence_parallel = 0;
+  std::int64_t ignore_index = 0;
+  std::int64_t temperature_bits = 0;
+  std::int64_t softcap_bits = 0;
+  std::int64_t with_entropy = 0;  // the call kind must match as well
+  std::int64_t targets_hash = 0;
+};
+static_assert(sizeof(call_record) == call_record::values * sizeof(std::int64_t));
+
+inline std::int64_t float_bits(float value) { return std::bit_cast<std::int32_t>(value); }
+inline float float_from_bits(std::int64_t bits) { return std::bit_cast<float>(static_cast<std::int32_t>(bits)); }
+
+// A 64-bit fingerprint of the targets, over their values as int64 (int32 and
+// int64 targets of the same ids agree). One multiply per token.
+template <class Index>
+std::int64_t targets_hash(const vector_view<const Index>& targets) {
+  std::uint64_t hash = 0x9E3779B97F4A7C15ull ^ static_cast<std::uint64_t>(targets.size);
+  for (std::int64_t i = 0; i < targets.size; ++i) {
+    hash ^= static_cast<std::uint64_t>(static_cast<std::int64_t>(targets.data[i]));
+    hash *= 0xBF58476D1CE4E5B9ull;
+    hash ^= hash >> 31;
+  }
+  return static_cast<std::int64_t>(hash);
+}
+
+// The vocabulary shards of all ranks, in rank order.
+struct shard_layout {
+  std::int64_t vocab = 0;  // 0: not known yet
+  std::vector<std::int64_t> starts, rows;
+
+  bool matches(const std::vector<call_record>& records) const {
+    if (records.size() != starts.size()) return false;
+    for (std::size_t r = 0; r < records.size(); ++r)
+      if (records[r].vocab_start != starts[r] || records[r].vocab_local != rows[r]) return false;
+    return true;
+  }
+};
+
+// What the ranks agreed on.
+struct agreed_call {
+  std::int64_t chunk = 0;  // the smallest of every rank's chunk
+};
+
+template <communicator Comm>
+class rank_agreement {
+ public:
+  // Exchanges `mine` (whose `ok` says whether `failure` is empty) and raises
+  // the same lce::error on every rank unless all ranks passed and agree.
+  // `failure` is this rank's own message, raised as is on this rank.
+  agreed_call agree(const Comm& comm, const call_record& mine, const std::string& failure) {
+    std::vector<call_record> records(static_cast<std::size_t>(comm.size()));
+    comm.all_gather_host(&mine.ok, &records.front().ok, call_record::values);
+
+    std::vector<int> failed;
+    for (std::size_t r = 0; r < records.size(); ++r)
+      if (records[r].ok != 1) failed.push_back(static_cast<int>(r));
+    if (!failed.empty()) {
+      if (!failure.empty()) throw error(failure);
+      std::ostringstream ranks;
+      for (std::size_t k = 0; k < failed.size(); ++k) ranks << (k ? ", " : "") << failed[k];
+      fail("rank ", ranks.str(), " rejected its arguments (its lce::error names them); no rank ran the call");
+    }
+
+    same_on_every_rank(records, &call_record::n_tokens, "targets: the number of tokens",
+                       "every rank must pass all N tokens");
+    same_on_every_rank(records, &call_record::hidden, "hidden: the hidden size", "");
+    same_on_every_rank(records, &call_record::sequence_parallel, "options.sequence_parallel", "");
+    same_on_every_rank(records, &call_record::ignore_index, "options.ignore_index", "");
+    same_float_on_every_rank(records, &call_record::temperature_bits, "options.temperature");
+    same_float_on_every_rank(records, &call_record::softcap_bits, "options.softcap");
+    same_on_every_rank(records, &call_record::with_entropy, "the call (with or without entropy)",
+                       "every rank must make the same call");
+    same_on_every_rank(records, &call_record::targets_hash, "targets: the hash of the target ids",
+                       "every rank must pass the same N targets, in the same order");
+
+    if (!layout_.matches(records)) layout_ = tile(records);
+
+    agreed_call agreed;
+    agreed.chunk = records.front().chunk;
+    for (const auto& record : records) agreed.chunk = std::min(agreed.chunk, record.chunk);
+    return agreed;
+  }
+
+  // The whole vocabulary V as of the last agreed call.
+  std::int64_t vocab() const { return layout_.vocab; }
+
+ private:
+  static void same_on_every_rank(const std::vector<call_record>& records, std::int64_t call_record::*field,
+                                 const char* what, const char* why) {
+    for (std::size_t r = 1; r < records.size(); ++r)
+      expects(records[r].*field == records[0].*field, what, " differs across ranks: rank 0 has ", records[0].*field,
+              ", rank ", r, " has ", records[r].*field, *why ? ": " : "", why,
+              *why ? "" : ": every rank must pass the same value");
+  }
+
+  static void same_float_on_every_rank(const std::vector<call_record>& records, std::int64_t call_record::*field,
+                                       const char* what) {
+    for (std::size_t r = 1; r < records.size(); ++r)
+      expects(records[r].*field == records[0].*field, what, " differs across ranks: rank 0 has ",
+              float_from_bits(records[0].*field), ", rank ", r, " has ", float_from_bits(records[r].*field),
+              ": every rank must pass the same value");
+  }
+
+  // The shards must tile [0, V) in rank order.
+  static shard_layout tile(const std::vector<call_record>& records) {
+    shard_layout layout;
+    for (std::size_t r = 0; r < records.size(); ++r) {
+      const std::int64_t start = records[r].vocab_start, rows = records[r].vocab_local;
+      expects(start == layout.vocab, "options.vocab_start = ", start, " on rank ", r, " (", rows,
+              " rows), but the shards must tile the vocabulary in rank order: expected ", layout.vocab);
+      layout.vocab = start + rows;
+      layout.starts.push_back(start);
+      layout.rows.push_back(rows);
+    }
+    return layout;
+  }
+
+  shard_layout layout_;  // as last agreed on every rank
+};
+
+}  // namespace detail
+LCE_END_NAMESPACE

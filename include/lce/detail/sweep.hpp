@@ -1,0 +1,268 @@
+#pragma once
+// The chunk loop: one pass over the tokens, a chunk of rows at a time, in a
+// workspace that was planned, reserved and agreed on before (detail/engine.hpp).
+//
+//   forward           logits GEMM -> row statistics -> [gather ranks] -> log-probs, lse, entropy
+//   backward          logits GEMM -> [E_p[z] - lse, summed over ranks] -> dz in place -> dX GEMM [reduced] -> dW GEMM
+//   forward_backward  logits GEMM -> statistics keeping exp -> [gather] -> dz by row scaling -> dX, dW
+//
+// Under sequence parallelism each chunk gathers a slice of every rank's
+// hidden rows first and reduce-scatters dX back, so no rank ever holds the
+// whole [N, H]. The backend does the arithmetic, the communicator the
+// collectives; this file only orders them, so it serves every backend.
+
+#include <lce/comm/communicator.hpp>
+#include <lce/core/backend.hpp>
+#include <lce/core/config.hpp>
+#include <lce/core/dtypes.hpp>
+#include <lce/core/error.hpp>
+#include <lce/core/options.hpp>
+#include <lce/core/row_math.hpp>
+#include <lce/core/views.hpp>
+#include <lce/detail/workspace.hpp>
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <type_traits>
+
+LCE_BEGIN_NAMESPACE
+namespace detail {
+
+template <class T, class Index>
+struct operator_inputs {
+  matrix_view<const T> hidden;
+  matrix_view<const T> weight;
+  vector_view<const Index> targets;
+};
+
+// How the raw logits s = x . w become the logits z of the softmax:
+// z = s / tau, or (cap / tau) tanh(s / cap) with a soft-cap. The logits GEMM
+// scales by 1/tau only when no soft-cap follows; the gradient GEMMs always
+// carry the 1/tau of the chain rule.
+template <class Compute>
+struct logit_scaling {
+  Compute temperature_scale = 1;  // 1 / tau
+  Compute logits_alpha = 1;       // alpha of the logits GEMM
+  soft_cap_map<Compute> soft_cap;
+
+  static logit_scaling from(const options& opt) {
+    logit_scaling scaling;
+    const auto tau = static_cast<Compute>(opt.temperature);
+    scaling.temperature_scale = Compute(1) / tau;
+    scaling.soft_cap = soft_cap_map<Compute>::make(static_cast<Compute>(opt.softcap), tau);
+    scaling.logits_alpha = scaling.soft_cap.enabled() ? Compute(1) : scaling.temperature_scale;
+    return scaling;
+  }
+};
+
+// One chunk: its rows and the scratch carved out for it. The rows of the
+// logit block map to token rows in `segments` runs of `segment_rows`: one
+// run normally; under sequence parallelism one per rank, run s starting at
+// token s * local_tokens + local_first.
+template <class T, class Compute, class Index>
+struct chunk {
+  using index = Index;
+  std::int64_t ordinal = 0;         // 0, 1, ... in sweep order
+  std::int64_t local_first = 0;     // first row of this rank's hidden in the chunk
+  std::int64_t rows = 0;            // rows of the logit block
+  int segments = 1;
+  std::int64_t segment_rows = 0;
+  std::int64_t local_tokens = 0;    // hidden rows per rank (sequence parallel)
+  matrix_view<const Compute> hidden;  // [rows, H] in compute type
+  matrix_view<const T> weight;        // [V_local, H]
+  vector_view<const Index> targets;   // [rows]
+  matrix_view<Compute> logits;        // [rows, V_local], becomes dz
+  matrix_view<Compute> grad_hidden_stage;
+  void* weight_block = nullptr;
+  row_partial<Compute>* partials = nullptr;  // this rank's
+  row_partial<Compute>* gathered = nullptr;  // every rank's, [ranks][rows]
+  Compute* row_base = nullptr;
+  std::int64_t row_stride = 0;
+  Compute* grad_hidden_local = nullptr;  // [segment_rows, H] (sequence parallel)
+
+  Compute* row(row_array which) const { return row_base + which * row_stride; }
+  std::int64_t token_of_segment(int s) const { return segments == 1 ? local_first : s * local_tokens + local_first; }
+};
+
+template <communicator Comm, storage_type T, class Backend>
+class chunk_sweep {
+ public:
+  using Compute = compute_t<T>;
+
+  chunk_sweep(const Comm& comm, Backend& backend, const options& opt, const workspace_plan<Compute>& plan,
+              void* workspace)
+      : comm_(comm), backend_(backend), options_(opt), scaling_(logit_scaling<Compute>::from(opt)), plan_(plan),
+        base_(static_cast<char*>(workspace)) {}
+
+  const logit_scaling<Compute>& scaling() const { return scaling_; }
+  bool sequence_parallel() const { return options_.sequence_parallel && comm_.size() > 1; }
+
+  // Runs body(chunk) over the tokens. An lce::error raised inside a chunk
+  // (only the communicator can fail there) comes out naming the chunk and
+  // what the earlier chunks left in the outputs.
+  template <class Index, class Body>
+  void run(const operator_inputs<T, Index>& in, Body&& body) {
+    const std::int64_t h = in.hidden.cols;
+    const bool sp = sequence_parallel();
+    const std::int64_t chunks = (in.hidden.rows + plan_.local_chunk - 1) / plan_.local_chunk;
+
+    chunk<T, Compute, Index> c;
+    c.weight = in.weight;
+    c.weight_block = at(plan_.weight_block);
+    c.partials = static_cast<row_partial<Compute>*>(at(plan_.partials));
+    c.gathered = static_cast<row_partial<Compute>*>(at(plan_.gathered));
+    c.row_base = static_cast<Compute*>(at(plan_.rows));
+    c.row_stride = plan_.chunk;
+    c.grad_hidden_local = static_cast<Compute*>(at(plan_.grad_hidden_local));
+    c.segments = sp ? comm_.size() : 1;
+    c.local_tokens = in.hidden.rows;
+    auto* const logits = static_cast<Compute*>(at(plan_.logits));
+    auto* const grad_hidden_stage = static_cast<Compute*>(at(plan_.grad_hidden_stage));
+    auto* const gathered_targets = static_cast<Index*>(at(plan_.targets));
+
+    for (std::int64_t first = 0; first < in.hidden.rows; first += plan_.local_chunk, ++c.ordinal) {
+      c.local_first = first;
+      c.segment_rows = std::min(plan_.local_chunk, in.hidden.rows - first);
+      c.rows = c.segment_rows * c.segments;
+      c.logits = {logits, c.rows, in.weight.rows, plan_.logits_ld};
+      c.grad_hidden_stage = {grad_hidden_stage, c.rows, h, h};
+      try {
+        if (sp) {
+          for (int s = 0; s < c.segments; ++s)
+            backend_.copy(in.targets.slice(c.token_of_segment(s), c.segment_rows),
+                          vector_view<Index>{gathered_targets + s * c.segment_rows, c.segment_rows});
+          c.targets = {gathered_targets, c.rows};
+          c.hidden = gather_hidden(in.hidden.rows_slice(first, c.segment_rows));
+        } else {
+          c.targets = in.targets.slice(first, c.rows);
+          c.hidden = widen_hidden(in.hidden.rows_slice(first, c.rows), static_cast<Compute*>(at(plan_.hidden_stage)));
+        }
+        body(c);
+      } catch (const error& e) {
+        fail(e.what() + (e.what()[0] == 'l' ? 5 : 0), " (in chunk ", c.ordinal, " of ", chunks, ", hidden rows [",
+             first, ", ", first + c.segment_rows,
+             ") of this rank: the outputs of earlier chunks are written, and grad_weight holds their "
+             "contributions, so restore it before a retry)");
+      }
+    }
+  }
+
+  // Logits of the chunk, their row statistics, combined over ranks, then
+  // log-prob, lse and entropy per row into the chunk's row arrays.
+  template <class Index>
+  void forward_statistics(const chunk<T, Compute, Index>& c, bool with_entropy, bool keep_exp) {
+    backend_.logits(c.hidden, c.weight, scaling_.logits_alpha, c.logits, c.weight_block);
+    backend_.row_statistics(statistics_args<Compute, Index>{c.logits, c.targets, options_.vocab_start,
+                                                            options_.ignore_index, scaling_.soft_cap, with_entropy,
+                                                            keep_exp, c.partials});
+    const row_partial<Compute>* merged = c.partials;
+    if (comm_.size() > 1) {
+      // One collective per chunk: every rank's partials, merged locally in rank order.
+      comm_.all_gather_bytes(c.partials, c.gathered,
+                             static_cast<std::size_t>(c.rows) * sizeof(row_partial<Compute>));
+      backend_.merge_partials(c.gathered, comm_.size(), c.rows, c.gathered);
+      merged = c.gathered;
+    }
+    backend_.finalize_rows(finalize_args<Compute, Index>{merged, c.targets, options_.ignore_index,
+                                                         c.row(row_logprobs), c.row(row_lse),
+                                                         with_entropy ? c.row(row_entropy) : nullptr},
+                           c.rows);
+  }
+
+  // The chunk's logits again (backward), soft-capped and tempered.
+  template <class Index>
+  void recompute_logits(const chunk<T, Compute, Index>& c) {
+    backend_.logits(c.hidden, c.weight, scaling_.logits_alpha, c.logits, c.weight_block);
+    if (scaling_.soft_cap.enabled()) backend_.soft_cap(c.logits, scaling_.soft_cap);
+  }
+
+  template <class Index>
+  gradient_args<Compute, Index> gradient_base(const chunk<T, Compute, Index>& c) const {
+    gradient_args<Compute, Index> args;
+    args.logits = c.logits;
+    args.targets = c.targets;
+    args.vocab_start = options_.vocab_start;
+    args.ignore_index = options_.ignore_index;
+    args.soft_cap = scaling_.soft_cap;
+    args.lse = c.row(row_lse);
+    args.grad_logprobs = c.row(row_grad_logprobs);
+    return args;
+  }
+
+  // Per-token values between the caller's [N] vectors and the chunk's row arrays.
+  template <class Index, class Element>
+  void gather_rows(const chunk<T, Compute, Index>& c, vector_view<const Element> source, row_array which) {
+    for (int s = 0; s < c.segments; ++s)
+      backend_.copy(source.slice(c.token_of_segment(s), c.segment_rows),
+                    vector_view<Compute>{c.row(which) + s * c.segment_rows, c.segment_rows});
+  }
+  template <class Index, class Element>
+  void scatter_rows(const chunk<T, Compute, Index>& c, row_array which, vector_view<Element> target) {
+    for (int s = 0; s < c.segments; ++s)
+      backend_.copy(vector_view<const Compute>{c.row(which) + s * c.segment_rows, c.segment_rows},
+                    target.slice(c.token_of_segment(s), c.segment_rows));
+  }
+
+  // dz (in the logit block) -> this rank's dX rows (summed over the ranks'
+  // vocabulary shards, in the compute type) and dW.
+  template <class Index, class GradHidden>
+  void propagate(const chunk<T, Compute, Index>& c, const matrix_view<GradHidden>& grad_hidden,
+                 const matrix_view<Compute>& weight_gradient) {
+    const matrix_view<const Compute> dz = c.logits;
+    const Compute alpha = scaling_.temperature_scale;
+    const auto out = grad_hidden.rows_slice(c.local_first, c.segment_rows);
+    if constexpr (std::same_as<GradHidden, Compute>) {
+      if (comm_.size() == 1) {
+        backend_.grad_hidden(dz, c.weight, alpha, out, c.weight_block);
+        backend_.grad_weight(dz, c.hidden, alpha, weight_gradient);
+        return;
+      }
+    }
+    const auto stage = c.grad_hidden_stage;
+    backend_.grad_hidden(dz, c.weight, alpha, stage, c.weight_block);
+    if (sequence_parallel()) {
+      const std::int64_t h = stage.cols;
+      comm_.reduce_scatter_sum(stage.data, c.grad_hidden_local, c.segment_rows * h);
+      backend_.copy(matrix_view<const Compute>{c.grad_hidden_local, c.segment_rows, h, h}, out);
+    } else {
+      if (comm_.size() > 1) comm_.all_reduce_sum(stage.data, c.rows * stage.cols);
+      backend_.copy(matrix_view<const Compute>(stage), out);
+    }
+    backend_.grad_weight(dz, c.hidden, alpha, weight_gradient);
+  }
+
+ private:
+  void* at(std::size_t offset) const { return base_ + offset; }
+
+  matrix_view<const Compute> widen_hidden(matrix_view<const T> rows, Compute* stage) {
+    if constexpr (std::same_as<T, Compute>) {
+      return rows;
+    } else {
+      matrix_view<Compute> widened{stage, rows.rows, rows.cols, rows.cols};
+      backend_.copy(rows, widened);
+      return widened;
+    }
+  }
+
+  // Sequence parallel: this rank's rows of the chunk, packed, gathered from
+  // every rank in rank order, then widened.
+  matrix_view<const Compute> gather_hidden(matrix_view<const T> local) {
+    const std::int64_t h = local.cols;
+    matrix_view<T> send{reinterpret_cast<T*>(base_ + plan_.hidden_send), local.rows, h, h};
+    matrix_view<T> gathered{reinterpret_cast<T*>(base_ + plan_.hidden_gather), local.rows * comm_.size(), h, h};
+    backend_.copy(local, send);
+    comm_.all_gather_bytes(send.data, gathered.data, static_cast<std::size_t>(local.rows * h) * sizeof(T));
+    return widen_hidden(matrix_view<const T>(gathered), reinterpret_cast<Compute*>(base_ + plan_.hidden_stage));
+  }
+
+  const Comm& comm_;
+  Backend& backend_;
+  const options& options_;
+  logit_scaling<Compute> scaling_;
+  const workspace_plan<Compute>& plan_;
+  char* base_;
+};
+
+}  // namespace detail
+LCE_END_NAMESPACE
