@@ -23,6 +23,14 @@ enum class transpose : bool { no = false, yes = true };
 // concurrent lce calls share one scope; the caller's setting comes back when
 // the last one ends. BLAS libraries without a run-time switch are left as
 // they are (then set their threads to 1 for bitwise reproducibility).
+//
+// The setting is process-wide: OpenBLAS has no per-thread one. Its
+// openblas_set_num_threads_local (0.3.27 on) calls openblas_set_num_threads
+// and only records the count for OpenMP builds (driver/others/
+// openblas_set_num_threads.c), so it is not used here: restoring it from one
+// thread would hand the other threads' GEMMs a multi-threaded BLAS. To
+// change the setting once per operator call rather than per GEMM, hold a
+// host::call_scope for the call (the GEMMs' own scopes then only count).
 class single_threaded_blas {
  public:
   single_threaded_blas() {
