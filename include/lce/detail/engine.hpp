@@ -210,6 +210,7 @@ class engine {
                      {bytes_of(logprobs, "logprobs"), bytes_of(lse, "lse"), bytes_of(entropy, "entropy")});
     });
     if (in.targets.size == 0) return;
+    [[maybe_unused]] const auto backend_call = begin_backend_call();
     sweep_type sweep(comm_, backend_, options_, call.plan, call.workspace);
     sweep.run(in, [&](const auto& c) {
       sweep.forward_statistics(c, with_entropy, /*keep_exp=*/false);
@@ -238,6 +239,7 @@ class engine {
                      {bytes_of(grad_hidden, "grad_hidden"), bytes_of(grad_weight, "grad_weight")});
     });
     if (in.targets.size == 0) return;
+    [[maybe_unused]] const auto backend_call = begin_backend_call();
     const auto weight_gradient = begin_weight_gradient(call, grad_weight);
     sweep_type sweep(comm_, backend_, options_, call.plan, call.workspace);
     sweep.run(in, [&](const auto& c) {
@@ -276,6 +278,7 @@ class engine {
                       bytes_of(grad_weight, "grad_weight")});
     });
     if (in.targets.size == 0) return;
+    [[maybe_unused]] const auto backend_call = begin_backend_call();
     const auto weight_gradient = begin_weight_gradient(call, grad_weight);
     sweep_type sweep(comm_, backend_, options_, call.plan, call.workspace);
     // Without a soft-cap the statistics pass leaves exp(z - max) behind, and
@@ -304,6 +307,15 @@ class engine {
   static constexpr no_weight_gradient_t no_weight_gradient{};
 
   bool sequence_parallel() const { return options_.sequence_parallel && comm_.size() > 1; }
+
+  // A backend may hold state for the length of a sweep (host: the BLAS's
+  // thread count, set once per call rather than around every GEMM).
+  auto begin_backend_call() {
+    if constexpr (requires { backend_.begin_call(); })
+      return backend_.begin_call();
+    else
+      return 0;
+  }
 
   static void check_sizes(const char* call, std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local) {
     expects(n_tokens >= 0 && hidden >= 0 && vocab_local >= 0, call, ": negative size (n_tokens ", n_tokens,

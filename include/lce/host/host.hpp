@@ -2,11 +2,14 @@
 // The CPU backend: BLAS GEMMs per chunk and vectorised row passes spread
 // over a small thread pool.
 //
-//   lce::host{}           all hardware threads for the row passes
-//   lce::host{threads}    that many (the BLAS keeps its own setting)
+//   lce::host{}           one thread per CPU of the process's affinity mask
+//                         (taskset, cpusets, an MPI rank's binding)
+//   lce::host{threads}    that many, for the GEMM tiles and the row passes
+//                         (the BLAS runs one thread per GEMM tile)
 //
 // Results are bitwise the same whatever the thread count: rows are
-// independent and each is reduced in a fixed order.
+// independent and each is reduced in a fixed order; GEMM tiles and the
+// scratch are cut from the shapes alone.
 
 #include <lce/core/backend.hpp>
 #include <lce/core/config.hpp>
@@ -19,6 +22,7 @@
 #include <lce/host/detail/thread_pool.hpp>
 
 #include <algorithm>
+#include <climits>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -59,6 +63,10 @@ class host {
   // ---- memory --------------------------------------------------------------
 
   static constexpr std::size_t alignment = 64;
+
+  // CBLAS counts rows, columns and leading dimensions in int; the operator
+  // checks its arguments against this before any work.
+  static constexpr std::int64_t max_gemm_extent = INT_MAX;
 
   void* allocate(std::size_t bytes) { return ::operator new(bytes, std::align_val_t{alignment}); }
   void deallocate(void* pointer, std::size_t) { ::operator delete(pointer, std::align_val_t{alignment}); }
