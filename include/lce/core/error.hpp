@@ -1,8 +1,24 @@
 #pragma once
 // The one error type of the library, and the checks that raise it.
 //
-// Every check runs before any output is touched, so a caught lce::error
-// means the caller's buffers are exactly as they were.
+// lce::error (a std::runtime_error) is what lce raises; its message starts
+// "lce: " and names the argument or option at fault with its values. What a
+// caught one means (README "Guarantees", docs/API.md):
+//   - bad input: every check (shapes, strides and ld, null data, aliasing,
+//     targets in [0, V) or ignore_index, options, the GEMMs' int range named
+//     as the caller's argument, workspace and dW-accumulator allocation)
+//     runs before anything is written: every output is bit-for-bit untouched;
+//   - several ranks: one exchange per call of each rank's verdict, shapes,
+//     shard, number-changing options, call kind, targets hash and chunk; any
+//     failure or disagreement raises on every rank (the others read "rank r
+//     rejected its arguments"), never a hang; the smallest chunk wins;
+//   - mid-sweep (after all checks, only a communicator failure): the message
+//     names the chunk ("in chunk k of K, hidden rows [a, b) of this rank");
+//     earlier chunks' outputs are written and grad_weight holds their
+//     contributions (one that goes through the wide accumulator, as a 2-byte
+//     one does, is untouched): restore it before a retry; the group is broken;
+//   - a second thread calling an operator that is running: raised there,
+//     nothing touched, the running call unaffected.
 
 #include <lce/core/config.hpp>
 
