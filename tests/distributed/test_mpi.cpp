@@ -7,6 +7,7 @@
 // any rank failed.
 #define DOCTEST_CONFIG_IMPLEMENT
 #include "distributed_cases.hpp"
+#include "hardening_cases.hpp"
 
 #include <lce/comm/mpi.hpp>
 
@@ -43,6 +44,27 @@ TEST_CASE_TEMPLATE("agreement: the default chunk policy with uneven shards (mpi)
 
 TEST_CASE("agreement: ranks that disagree on N or H raise lce::error on every rank (mpi)") {
   lce_dist::check_ranks_disagree(world());
+}
+
+TEST_CASE("agreement: ranks with other options or targets raise lce::error on every rank (mpi)") {
+  lce_hard::check_options_disagree(world());
+}
+
+TEST_CASE_TEMPLATE("agreement: ranks with other budgets, chunks and threads agree on one chunk (mpi)", T, float,
+                   lce::bfloat16) {
+  lce_hard::check_resources_may_differ<T>(world());
+}
+
+TEST_CASE("agreement: a failure on one rank before the exchange raises on every rank (mpi)") {
+  lce_hard::check_failure_on_one_rank(world());
+}
+
+TEST_CASE("agreement: chunks shrink to the communicator's message limit (mpi)") {
+  lce_hard::check_message_limit(world());
+}
+
+TEST_CASE("agreement: a collective failing mid-sweep names its chunk; earlier chunks are written (mpi)") {
+  lce_hard::check_mid_sweep_failure(world());
 }
 
 int main(int argc, char** argv) {

@@ -6,6 +6,7 @@
 // ends the process (a hang becomes a failure).
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include "distributed_cases.hpp"
+#include "hardening_cases.hpp"
 
 #include <lce/comm/threads.hpp>
 
@@ -99,6 +100,44 @@ TEST_CASE("agreement: ranks that disagree on N or H raise lce::error on every ra
   for (int ranks = 2; ranks <= max_ranks; ++ranks) {
     CAPTURE(ranks);
     lce_dist::run_on_threads(ranks, [](lce::comm::threads comm) { lce_dist::check_ranks_disagree(comm); },
+                             std::chrono::seconds(30));
+  }
+}
+
+TEST_CASE("agreement: ranks with other options or targets raise lce::error on every rank (threads)") {
+  for (int ranks = 2; ranks <= max_ranks; ++ranks) {
+    CAPTURE(ranks);
+    lce_dist::run_on_threads(ranks, [](lce::comm::threads comm) { lce_hard::check_options_disagree(comm); },
+                             std::chrono::seconds(30));
+  }
+}
+
+TEST_CASE_TEMPLATE("agreement: ranks with other budgets, chunks and threads agree on one chunk (threads)", T, float,
+                   lce::bfloat16) {
+  for (int ranks = 1; ranks <= 3; ++ranks) {
+    CAPTURE(ranks);
+    lce_dist::run_on_threads(ranks, [](lce::comm::threads comm) { lce_hard::check_resources_may_differ<T>(comm); },
+                             std::chrono::seconds(60));
+  }
+}
+
+TEST_CASE("agreement: a failure on one rank before the exchange raises on every rank (threads)") {
+  for (int ranks = 1; ranks <= 3; ++ranks) {
+    CAPTURE(ranks);
+    lce_dist::run_on_threads(ranks, [](lce::comm::threads comm) { lce_hard::check_failure_on_one_rank(comm); },
+                             std::chrono::seconds(30));
+  }
+}
+
+TEST_CASE("agreement: chunks shrink to the communicator's message limit (threads)") {
+  lce_dist::run_on_threads(2, [](lce::comm::threads comm) { lce_hard::check_message_limit(comm); },
+                           std::chrono::seconds(30));
+}
+
+TEST_CASE("agreement: a collective failing mid-sweep names its chunk; earlier chunks are written (threads)") {
+  for (int ranks = 2; ranks <= 3; ++ranks) {
+    CAPTURE(ranks);
+    lce_dist::run_on_threads(ranks, [](lce::comm::threads comm) { lce_hard::check_mid_sweep_failure(comm); },
                              std::chrono::seconds(30));
   }
 }

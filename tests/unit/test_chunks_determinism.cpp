@@ -125,11 +125,12 @@ TEST_CASE_TEMPLATE("workspace_bytes grows with chunk x vocab, not with tokens", 
     CHECK(op256.workspace_bytes(4096, h, v) > a);
   }
   SUBCASE("budget policy stays within workspace_limit_bytes, independent of N") {
-    // The limit bounds the scratch of a chunk. A 2-byte grad_weight also needs
-    // the [V_local, H] fp32 accumulator (dW accumulates in fp32 across chunks),
-    // which no chunk size can shrink; workspace_bytes reports it on top.
+    // The limit bounds the scratch of a chunk. A grad_weight whose element is
+    // not the compute type (bf16/fp16 for a 2-byte T, float for T = double)
+    // also needs a [V_local, H] accumulator in the compute type, which no chunk
+    // size can shrink; workspace_bytes reports it on top.
     auto accumulator = [](std::int64_t hh, std::int64_t vv) -> std::size_t {
-      return is_2byte_v<T> ? static_cast<std::size_t>(hh * vv) * sizeof(float) : 0;
+      return std::is_same_v<T, float> ? 0 : static_cast<std::size_t>(hh * vv) * sizeof(lce::compute_t<T>);
     };
     for (std::size_t limit : {std::size_t{16} << 20, std::size_t{64} << 20, std::size_t{256} << 20}) {
       CAPTURE(limit);

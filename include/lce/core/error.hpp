@@ -22,6 +22,7 @@
 
 #include <lce/core/config.hpp>
 
+#include <cstddef>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -35,6 +36,15 @@ class error : public std::runtime_error {
 };
 
 namespace detail {
+
+// An lce::error's message without the "lce: " it starts with, to wrap it in another.
+inline const char* message_body(const error& e) {
+  const char* text = e.what();
+  constexpr char prefix[] = "lce: ";
+  for (std::size_t i = 0; i + 1 < sizeof(prefix); ++i)
+    if (text[i] != prefix[i]) return text;
+  return text + sizeof(prefix) - 1;
+}
 
 template <class... Parts>
 [[noreturn]] void fail(const Parts&... parts) {

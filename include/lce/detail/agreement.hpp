@@ -27,6 +27,15 @@
 LCE_BEGIN_NAMESPACE
 namespace detail {
 
+// Which call a rank is making.
+enum class call_kind : std::int64_t {
+  forward = 1,
+  forward_with_entropy,
+  backward,
+  backward_with_entropy,
+  forward_backward
+};
+
 // What one rank tells the others about a call (host values).
 struct call_record {
   static constexpr std::int64_t values = 12;
@@ -41,7 +50,7 @@ struct call_record {
   std::int64_t ignore_index = 0;
   std::int64_t temperature_bits = 0;
   std::int64_t softcap_bits = 0;
-  std::int64_t with_entropy = 0;  // the call kind must match as well
+  std::int64_t call = 0;  // which call (call_kind): every rank must make the same one
   std::int64_t targets_hash = 0;
 };
 static_assert(sizeof(call_record) == call_record::values * sizeof(std::int64_t));
@@ -107,8 +116,8 @@ class rank_agreement {
     same_on_every_rank(records, &call_record::ignore_index, "options.ignore_index", "");
     same_float_on_every_rank(records, &call_record::temperature_bits, "options.temperature");
     same_float_on_every_rank(records, &call_record::softcap_bits, "options.softcap");
-    same_on_every_rank(records, &call_record::with_entropy, "the call (with or without entropy)",
-                       "every rank must make the same call");
+    same_on_every_rank(records, &call_record::call, "the call (1 forward, 2 forward with entropy, 3 backward, "
+                       "4 backward with entropy, 5 forward_backward)", "every rank must make the same call");
     same_on_every_rank(records, &call_record::targets_hash, "targets: the hash of the target ids",
                        "every rank must pass the same N targets, in the same order");
 

@@ -159,7 +159,10 @@ class engine {
     }
   }
   engine(engine&&) noexcept = default;
-  ~engine() { release_workspace(); }
+  ~engine() {
+    workspace_.release(backend_);
+    weight_gradient_.release(backend_);
+  }
 
   const options& settings() const { return options_; }
   const Comm& comm() const { return comm_; }
@@ -171,12 +174,13 @@ class engine {
     return plan_for(n_tokens, hidden, vocab_local).chunk;
   }
 
-  // The buffer of a sweep plus, for a 2-byte T, the fp32 [V_local, H]
-  // accumulator that a grad_weight of type T needs (dW across chunks
-  // accumulates in fp32). Raises lce::error if it does not fit in size_t.
+  // The buffer of a sweep plus the [V_local, H] accumulator in the compute
+  // type that a grad_weight of another element type needs (dW across chunks
+  // accumulates in fp32, or double for T = double): any T but float allows
+  // one. Raises lce::error if it does not fit in size_t.
   std::size_t workspace_bytes(std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local) const {
     check_sizes("workspace_bytes", n_tokens, hidden, vocab_local);
-    const checked_size accumulator = std::same_as<T, Compute> ? checked_size{}
+    const checked_size accumulator = std::same_as<T, float> ? checked_size{}
                                                                : checked_size::of(vocab_local) *
                                                                      checked_size::of(hidden) * sizeof(Compute);
     const checked_size total = checked_size(plan_for(n_tokens, hidden, vocab_local).bytes) + accumulator;
@@ -191,6 +195,7 @@ class engine {
 
   // Frees both; the next call allocates again.
   void release_workspace() {
+    exclusive_call busy(busy_, "release_workspace");
     workspace_.release(backend_);
     weight_gradient_.release(backend_);
   }
@@ -202,7 +207,8 @@ class engine {
                vector_view<ElementLogprobs> logprobs, vector_view<ElementLse> lse, vector_view<ElementEntropy> entropy,
                bool with_entropy) {
     exclusive_call busy(busy_, "forward");
-    const auto call = prepare(conversion, in, with_entropy, no_weight_gradient, [&](std::int64_t n) {
+    const auto kind = with_entropy ? call_kind::forward_with_entropy : call_kind::forward;
+    const auto call = prepare(conversion, in, kind, no_weight_gradient, [&](std::int64_t n) {
       check_rows(logprobs, "logprobs", n, "targets");
       check_rows(lse, "lse", n, "targets");
       if (with_entropy) check_rows(entropy, "entropy", n, "targets");
@@ -229,7 +235,8 @@ class engine {
                 vector_view<const ElementGradEntropy> grad_entropy, bool with_entropy,
                 matrix_view<GradHidden> grad_hidden, matrix_view<GradWeight> grad_weight) {
     exclusive_call busy(busy_, "backward");
-    const auto call = prepare(conversion, in, with_entropy, grad_weight, [&](std::int64_t n) {
+    const auto kind = with_entropy ? call_kind::backward_with_entropy : call_kind::backward;
+    const auto call = prepare(conversion, in, kind, grad_weight, [&](std::int64_t n) {
       check_rows(lse, "lse", n, "targets");
       check_rows(grad_logprobs, "grad_logprobs", n, "targets");
       if (with_entropy) check_rows(grad_entropy, "grad_entropy", n, "targets");
@@ -269,7 +276,7 @@ class engine {
                         vector_view<const ElementGradLogprobs> grad_logprobs, vector_view<ElementLogprobs> logprobs,
                         matrix_view<GradHidden> grad_hidden, matrix_view<GradWeight> grad_weight) {
     exclusive_call busy(busy_, "forward_backward");
-    const auto call = prepare(conversion, in, /*with_entropy=*/false, grad_weight, [&](std::int64_t n) {
+    const auto call = prepare(conversion, in, call_kind::forward_backward, grad_weight, [&](std::int64_t n) {
       check_rows(grad_logprobs, "grad_logprobs", n, "targets");
       check_rows(logprobs, "logprobs", n, "targets");
       check_gradients(in, grad_hidden, grad_weight);
@@ -377,7 +384,7 @@ class engine {
   // ---- steps 1-3 -------------------------------------------------------------
 
   template <class Index, class GradWeight, class CallChecks>
-  prepared_call prepare(const deferred_failure& conversion, const operator_inputs<T, Index>& in, bool with_entropy,
+  prepared_call prepare(const deferred_failure& conversion, const operator_inputs<T, Index>& in, call_kind kind,
                         const GradWeight& grad_weight, CallChecks&& call_checks) {
     prepared_call call;
     call_record mine;
@@ -415,7 +422,7 @@ class engine {
       mine.ignore_index = options_.ignore_index;
       mine.temperature_bits = float_bits(options_.temperature);
       mine.softcap_bits = float_bits(options_.softcap);
-      mine.with_entropy = with_entropy ? 1 : 0;
+      mine.call = static_cast<std::int64_t>(kind);
       mine.targets_hash = targets_hash(in.targets);
     }
     const agreed_call agreed = agreement_.agree(comm_, mine, failure);

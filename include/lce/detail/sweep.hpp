@@ -140,7 +140,7 @@ class chunk_sweep {
         }
         body(c);
       } catch (const error& e) {
-        fail(e.what() + (e.what()[0] == 'l' ? 5 : 0), " (in chunk ", c.ordinal, " of ", chunks, ", hidden rows [",
+        fail(message_body(e), " (in chunk ", c.ordinal, " of ", chunks, ", hidden rows [",
              first, ", ", first + c.segment_rows,
              ") of this rank: the outputs of earlier chunks are written, and grad_weight holds their "
              "contributions, so restore it before a retry)");
