@@ -24,55 +24,55 @@ struct device_memory {};
 
 // Statistics of each row of a logit block: its soft-cap applied in place, the
 // partial (max, sums, target logit) over this rank's vocabulary.
-template <class A, class I>
+template <class Compute, class Index>
 struct statistics_args {
-  matrix_view<A> logits;           // [rows, vocab_local]
-  vector_view<const I> targets;    // [rows], global ids
+  matrix_view<Compute> logits;           // [rows, vocab_local]
+  vector_view<const Index> targets;    // [rows], global ids
   std::int64_t vocab_start = 0;
   std::int64_t ignore_index = -100;
-  detail::soft_cap_map<A> soft_cap;  // raw logits in; capped and tempered out (disabled: none)
+  detail::soft_cap_map<Compute> soft_cap;  // raw logits in; capped and tempered out (disabled: none)
   bool with_entropy = false;       // also sum exp(z - max)(z - max)
   bool keep_exp = false;           // overwrite logits with exp(z - max) (no soft-cap only)
-  detail::row_partial<A>* partials = nullptr;  // out [rows]
+  detail::row_partial<Compute>* partials = nullptr;  // out [rows]
 };
 
 // Per-row results from merged partials; ignored rows give log-prob 0 and entropy 0.
-template <class A, class I>
+template <class Compute, class Index>
 struct finalize_args {
-  const detail::row_partial<A>* partials = nullptr;  // [rows]
-  vector_view<const I> targets;
+  const detail::row_partial<Compute>* partials = nullptr;  // [rows]
+  vector_view<const Index> targets;
   std::int64_t ignore_index = -100;
-  A* logprobs = nullptr;  // out [rows]
-  A* lse = nullptr;       // out [rows]
-  A* entropy = nullptr;   // out [rows]
+  Compute* logprobs = nullptr;  // out [rows]
+  Compute* lse = nullptr;       // out [rows]
+  Compute* entropy = nullptr;   // out [rows]
 };
 
 // Turns a logit block into dL/dlogits in place. Rows whose target is ignored
 // become zero. With `exp_row_max` set, the block already holds exp(z - max)
 // from a keep_exp statistics pass, and only a per-row scale is left to do.
-template <class A, class I>
+template <class Compute, class Index>
 struct gradient_args {
-  matrix_view<A> logits;             // [rows, vocab_local], soft-capped if soft_cap is enabled
-  vector_view<const I> targets;
+  matrix_view<Compute> logits;             // [rows, vocab_local], soft-capped if soft_cap is enabled
+  vector_view<const Index> targets;
   std::int64_t vocab_start = 0;
   std::int64_t ignore_index = -100;
-  detail::soft_cap_map<A> soft_cap;
-  const A* lse = nullptr;            // [rows]
-  const A* grad_logprobs = nullptr;  // [rows]
-  const A* grad_entropy = nullptr;        // [rows] or null
-  const A* mean_centred_logit = nullptr;  // [rows] E_p[z] - lse; needed with grad_entropy
-  const detail::row_partial<A>* exp_row_max = nullptr;  // [rows] or null: see above
+  detail::soft_cap_map<Compute> soft_cap;
+  const Compute* lse = nullptr;            // [rows]
+  const Compute* grad_logprobs = nullptr;  // [rows]
+  const Compute* grad_entropy = nullptr;        // [rows] or null
+  const Compute* mean_centred_logit = nullptr;  // [rows] E_p[z] - lse; needed with grad_entropy
+  const detail::row_partial<Compute>* exp_row_max = nullptr;  // [rows] or null: see above
 };
 
 // sum_v p (z - lse) over this rank's vocabulary, p = exp(z - lse): its
 // share of E_p[z] - lse (= -entropy), which the entropy gradient needs.
-template <class A, class I>
+template <class Compute, class Index>
 struct mean_centred_logit_args {
-  matrix_view<const A> logits;     // soft-capped if a soft-cap is set
-  vector_view<const I> targets;    // rows whose target is ignored give 0
+  matrix_view<const Compute> logits;     // soft-capped if a soft-cap is set
+  vector_view<const Index> targets;    // rows whose target is ignored give 0
   std::int64_t ignore_index = -100;
-  const A* lse = nullptr;
-  A* out = nullptr;
+  const Compute* lse = nullptr;
+  Compute* out = nullptr;
 };
 
 // The contract of a backend, checked on fp32 and a 2-byte storage type.
