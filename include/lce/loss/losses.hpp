@@ -5,5 +5,6 @@
 // one source (Thrust execution policies); needs CCCL (Thrust) on the include path.
 
 #include <lce/loss/packed.hpp>
+#include <lce/loss/policy_gradient.hpp>
 #include <lce/loss/sft.hpp>
 #include <lce/loss/token_count.hpp>

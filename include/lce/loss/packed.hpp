@@ -62,9 +62,9 @@ enum class loss_reduction { token_mean, sequence_mean };
 // cu_seqlens = {0, T, 2T, ..., BT} and weights = the mask.
 template <class I = std::int64_t, class C = std::int64_t>
 struct packed_tokens {
-  vector_view<const I> targets;     // [N] shifted targets, or empty (every token counts)
-  vector_view<const C> cu_seqlens;  // [S + 1]: 0 = cu[0] <= cu[1] <= ... <= cu[S] = N; empty: one sequence [0, N)
-  vector_view<const float> weights; // [N] per-token weights / mask, or empty (1)
+  vector_view<const I> targets{};     // [N] shifted targets, or empty (every token counts)
+  vector_view<const C> cu_seqlens{};  // [S + 1]: 0 = cu[0] <= cu[1] <= ... <= cu[S] = N; empty: one sequence [0, N)
+  vector_view<const float> weights{}; // [N] per-token weights / mask, or empty (1)
   std::int64_t ignore_index = -100;
 };
 

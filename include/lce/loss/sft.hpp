@@ -25,9 +25,9 @@ struct sft_options {
 
 template <class G = float>
 struct sft_outputs {
-  vector_view<G> grad_logprobs;          // [N] dL/dlogp (written), or empty
-  vector_view<double> seq_nll;           // [S] sum_{i in s} w_i (-logp_i) (written), or empty
-  vector_view<std::int64_t> seq_tokens;  // [S] counted tokens (written), or empty; required for sequence_mean
+  vector_view<G> grad_logprobs{};          // [N] dL/dlogp (written), or empty
+  vector_view<double> seq_nll{};           // [S] sum_{i in s} w_i (-logp_i) (written), or empty
+  vector_view<std::int64_t> seq_tokens{};  // [S] counted tokens (written), or empty; required for sequence_mean
 };
 
 struct sft_result {
