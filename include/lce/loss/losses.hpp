@@ -4,6 +4,7 @@
 // dL/dentropy) to feed op.backward / op.forward_backward. Host and device from
 // one source (Thrust execution policies); needs CCCL (Thrust) on the include path.
 
+#include <lce/loss/dpo.hpp>
 #include <lce/loss/packed.hpp>
 #include <lce/loss/policy_gradient.hpp>
 #include <lce/loss/sft.hpp>
