@@ -328,6 +328,21 @@ TEST_CASE("host::call_scope: one BLAS setting per call, none per GEMM; nested an
   CHECK(openblas_get_num_threads() == 2);
 }
 
+TEST_CASE("an operator call sets the BLAS threads once per call, not around every GEMM") {
+  blas_threads_guard guard;
+  openblas_set_num_threads(2);
+  problem p = make_problem(64, 32, 300, 99, rounder_for<float>(), 1.0, 0.5, 0.1);
+  const auto g = random_vector(p.n, 1, -1.0, 1.0, rounder_for<float>());
+  const auto hg = random_vector(p.n, 2, -0.5, 0.5, rounder_for<float>());
+  const auto pre = random_vector(p.v * p.h, 3, -1.0, 1.0, rounder_for<float>());
+  auto op = make_op<float>(make_options(1.0f, 0.0f, 16), 2);  // 4 chunks, 28 GEMMs over the 3 calls
+  record_scope record;
+  exercise<float, float>(op, p, g, hg, pre);
+  CHECK(set_threads_calls == 3 * 2);  // forward, backward, forward_backward: set 1, then put 2 back
+  CHECK(record.gemms().size() >= 28);
+  CHECK(openblas_get_num_threads() == 2);
+}
+
 // ---- GEMM tiling -----------------------------------------------------------
 
 TEST_CASE("grad_hidden: dX is cut into tiles (from the shapes alone) for every thread") {
