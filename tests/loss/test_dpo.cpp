@@ -192,6 +192,8 @@ TEST_CASE("dpo: bad beta, coefficients, pairs and sizes raise lce::error naming 
   check_error([&] { run({0, 1, 3, 3}, {}); }, "pairs[1] = (3, 3)");
   check_error([&] { run({0, -1}, {}); }, "pairs[0] = (0, -1)");
   check_error([&] { run({0, 1, 2}, {}); }, "pairs: size 3 is odd");
+  check_error([&] { run({0, 1, 2, 1}, {}); }, "sequence 1 is also in pairs[");
+  check_error([&] { run({0, 1, 2, 3, 0, 3}, {}); }, "is also in pairs[");
   check_error([&] { run({0, 1}, {}, 3); }, "ref_seq_logprobs: size 3 does not match the number of sequences (4)");
   CHECK(grad == g0);
   CHECK(pi == p0);

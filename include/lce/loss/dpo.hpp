@@ -5,7 +5,7 @@
 // Layout: the packed batch holds S sequences (cu_seqlens); a preference pair
 // is (chosen, rejected), two sequence indices. `pairs` lists them flat,
 // [c_0, r_0, c_1, r_1, ...]; empty means consecutive sequences: (0, 1),
-// (2, 3), ... (S must be even). Each sequence belongs to at most one pair
+// (2, 3), ... (S must be even). Each sequence belongs to at most one pair (checked)
 // (sequences in none get zero gradient). Per sequence s, with w_i the token
 // weights (packed.hpp) and n_s its counted tokens:
 //   pi_s  = sum_{i in s} w_i logp_i          (length_average: divided by n_s; 0 when n_s = 0)
@@ -18,6 +18,8 @@
 // Outputs dL/dlogp per token (-> op.backward), dL/dpi per sequence, metrics.
 
 #include <lce/loss/packed.hpp>
+
+#include <thrust/memory.h>
 
 LCE_BEGIN_NAMESPACE
 
@@ -90,6 +92,55 @@ struct pair_entry {
     }
     return r;
   }
+};
+
+// Each sequence in at most one pair: every pair marks its two sequences with
+// its index, then every pair checks that both marks are its own (with a
+// sequence in two pairs, the pair whose mark was overwritten fails).
+template <class P>
+struct pair_mark {
+  pair_list<P> list;
+  std::int64_t* mark;
+  LCE_HOST_DEVICE void operator()(std::int64_t p) const {
+    mark[list.chosen(p)] = p;
+    mark[list.rejected(p)] = p;
+  }
+};
+struct pair_clash {
+  std::int64_t bad = no_index, chosen = 0, rejected = 0, sequence = 0, other = 0;
+};
+struct pair_clash_min {
+  LCE_HOST_DEVICE pair_clash operator()(const pair_clash& a, const pair_clash& b) const {
+    return a.bad <= b.bad ? a : b;
+  }
+};
+template <class P>
+struct pair_unmarked {
+  pair_list<P> list;
+  const std::int64_t* mark;
+  LCE_HOST_DEVICE pair_clash operator()(std::int64_t p) const {
+    pair_clash r;
+    const std::int64_t c = list.chosen(p), j = list.rejected(p);
+    if (mark[c] != p || mark[j] != p) {
+      r.bad = p;
+      r.chosen = c;
+      r.rejected = j;
+      r.sequence = mark[c] != p ? c : j;
+      r.other = mark[r.sequence];
+    }
+    return r;
+  }
+};
+
+template <class Policy>
+struct temporary_marks {  // thrust::get_temporary_buffer, returned on every path
+  Policy& exec;
+  decltype(thrust::get_temporary_buffer<std::int64_t>(exec, 0)) buffer;
+  temporary_marks(Policy& e, std::int64_t n) : exec(e), buffer(thrust::get_temporary_buffer<std::int64_t>(e, n)) {}
+  ~temporary_marks() { thrust::return_temporary_buffer(exec, buffer.first, buffer.second); }
+  temporary_marks(const temporary_marks&) = delete;
+  temporary_marks& operator=(const temporary_marks&) = delete;
+  std::int64_t* get() const { return thrust::raw_pointer_cast(buffer.first); }
 };
 
 template <class R, class I>
@@ -253,6 +304,16 @@ dpo_result dpo_loss(Policy&& exec, const packed_tokens<I, C>& batch, const dpo_i
                                                      pair_report{}, pair_report_min{});
     expects(rep.bad == no_index, "pairs[", rep.bad, "] = (", rep.chosen, ", ", rep.rejected,
             "): chosen and rejected must be different sequences in [0, ", sq.count, ")");
+    pair_clash clash;
+    {
+      temporary_marks<std::remove_reference_t<Policy>> marks(exec, sq.count);
+      thrust::for_each(exec, idx, idx + np, pair_mark<P>{list, marks.get()});
+      clash = thrust::transform_reduce(exec, idx, idx + np, pair_unmarked<P>{list, marks.get()}, pair_clash{},
+                                       pair_clash_min{});
+    }
+    expects(clash.bad == no_index, "pairs[", clash.bad, "] = (", clash.chosen, ", ", clash.rejected,
+            "): sequence ", clash.sequence, " is also in pairs[",
+            clash.other, "]: each sequence may be in at most one pair");
   }
   // every check done: now write
   const auto w = weight_of(batch);
