@@ -86,7 +86,9 @@ class host {
     if constexpr (!half_precision<T>) {
       return 0;
     } else {
-      return vocab_tile_rows<T>(hidden, vocab_local) * hidden;
+      // Saturates (the workspace plan then reports the overflow as an lce::error).
+      const std::int64_t rows = vocab_tile_rows<T>(hidden, vocab_local);
+      return hidden > INT64_MAX / rows ? INT64_MAX : rows * hidden;
     }
   }
 
@@ -256,7 +258,7 @@ class host {
   }
 
  private:
-  static constexpr std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return (a + b - 1) / b; }
+  static constexpr std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return a / b + (a % b != 0); }
 
   // Vocabulary rows per GEMM tile, from the shapes alone: about 16 tiles to
   // share, but never under 1024 rows (single-threaded BLAS GEMMs only reach
