@@ -341,3 +341,56 @@ TEST_CASE("policy gradient: ranks' losses (lce::comm::threads, global normaliser
     for (std::int64_t i = 0; i < b.n(); ++i) CHECK(close(grad[i], g1[i], 1e-15));
   }
 }
+
+TEST_CASE("policy gradient end to end: hidden -> op.forward (entropy) -> loss -> op.backward matches finite differences") {
+  const std::int64_t H = 5, V = 9;
+  auto d = make_pg({4, 1, 0, 3}, 55);
+  auto& b = d.b;
+  for (auto& t : b.targets)
+    if (t != -100) t %= V;
+  const std::int64_t N = b.n();
+  std::mt19937_64 rng(8);
+  std::normal_distribution<double> g(0.0, 0.6);
+  std::vector<double> x(N * H), w(V * H);
+  for (auto& e : x) e = g(rng);
+  for (auto& e : w) e = g(rng);
+  lce::ChunkedHiddenToLogprobs<lce::comm::single, double> op{lce::comm::single{}};
+  const lce::matrix_view<const double> W{w.data(), V, H};
+  std::vector<double> lp0(N), lse0(N);
+  op.forward(lce::matrix_view<const double>{x.data(), N, H}, W, cv(b.targets), mv(lp0), mv(lse0));
+  for (std::int64_t i = 0; i < N; ++i) d.old[i] = lp0[i] + 0.3 * g(rng);  // ratios away from 1
+  for (std::int64_t i = 0; i < N; ++i) d.ref[i] = lp0[i] + 0.2 * g(rng);
+  lce::pg_options o;
+  o.reduction = lce::loss_reduction::sequence_mean;
+  o.kl_coef = 0.1;
+  o.entropy_coef = 0.05;
+  o.eps_low = 0.5;  // wide: the clip edges stay away from the sampled ratios
+  o.eps_high = 0.9;
+  const double norm = double(lce::count_loss_units(thrust::host, b.view(), N, o.reduction));
+  auto run = [&](const std::vector<double>& xs, std::vector<double>* glp, std::vector<double>* gent,
+                 std::vector<double>* lse_out) {
+    std::vector<double> lp(N), lse(N), ent(N), gl(N), ge(N);
+    std::vector<std::int64_t> c(b.s());
+    op.forward(lce::matrix_view<const double>{xs.data(), N, H}, W, cv(b.targets), mv(lp), mv(lse), mv(ent));
+    const double loss = lce::policy_gradient_loss(thrust::host, b.view(), inputs_of(d, lp, ent, o, true), norm,
+                                                  lce::pg_outputs<double>{mv(gl), mv(ge), {}, mv(c)}, o)
+                            .loss;
+    if (glp) *glp = gl;
+    if (gent) *gent = ge;
+    if (lse_out) *lse_out = lse;
+    return loss;
+  };
+  std::vector<double> gl, ge, lse, dx(N * H), dw(V * H, 0.0);
+  run(x, &gl, &ge, &lse);
+  op.backward(lce::matrix_view<const double>{x.data(), N, H}, W, cv(b.targets), cv(lse), cv(gl), cv(ge),
+              lce::matrix_view<double>{dx.data(), N, H}, lce::matrix_view<double>{dw.data(), V, H});
+  const double h = 1e-6;
+  for (std::int64_t k = 0; k < N * H; ++k) {
+    auto xs = x;
+    xs[k] += h;
+    const double up = run(xs, nullptr, nullptr, nullptr);
+    xs[k] -= 2 * h;
+    const double down = run(xs, nullptr, nullptr, nullptr);
+    CHECK(std::fabs((up - down) / (2 * h) - dx[k]) < 1e-7);
+  }
+}
