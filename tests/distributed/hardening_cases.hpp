@@ -18,6 +18,7 @@
 #include <climits>
 #include <memory>
 #include <new>
+#include <utility>
 
 namespace lce_hard {
 
@@ -130,6 +131,14 @@ struct lce::view_traits<lce_hard::strided_matrix> {
 
 namespace lce_hard {
 
+// This rank's shard [v0, v0 + vr) of a vocabulary split unevenly over the ranks.
+inline std::pair<std::int64_t, std::int64_t> shard_of(std::int64_t vocab, int ranks, int rank, int variant) {
+  const auto split = lce_dist::vocab_split(vocab, ranks, variant);
+  std::int64_t start = 0;
+  for (int r = 0; r < rank; ++r) start += split[static_cast<std::size_t>(r)];
+  return {start, split[static_cast<std::size_t>(rank)]};
+}
+
 inline std::vector<float> to_floats(const std::vector<double>& v) { return {v.begin(), v.end()}; }
 
 template <class E>
@@ -143,10 +152,7 @@ void check_options_disagree(const Comm& comm) {
   const int ranks = comm.size(), rank = comm.rank();
   if (ranks == 1) return;
   const std::int64_t n = 12, h = 8;
-  const auto split = lce_dist::vocab_split(60, ranks, 0);
-  std::int64_t v0 = 0;
-  for (int r = 0; r < rank; ++r) v0 += split[static_cast<std::size_t>(r)];
-  const std::int64_t vr = split[static_cast<std::size_t>(rank)];
+  const auto [v0, vr] = shard_of(60, ranks, rank, 0);
   const auto p = lce_test::make_problem(n, h, 60, 77, lce_test::round_to_float, 1.0, 1.0, 0.1);
   const auto x = to_floats(p.x);
   const auto w = to_floats(std::vector<double>(p.w.begin() + v0 * h, p.w.begin() + (v0 + vr) * h));
@@ -241,10 +247,7 @@ template <class T, class Comm>
 void check_resources_may_differ(const Comm& comm) {
   const int ranks = comm.size(), rank = comm.rank();
   const std::int64_t n = 48, h = 16, v = 3000;
-  const auto split = lce_dist::vocab_split(v, ranks, 1);
-  std::int64_t v0 = 0;
-  for (int r = 0; r < rank; ++r) v0 += split[static_cast<std::size_t>(r)];
-  const std::int64_t vr = split[static_cast<std::size_t>(rank)];
+  const auto [v0, vr] = shard_of(v, ranks, rank, 1);
   lce_test::problem p = lce_test::make_problem(n, h, v, 4040, lce_test::rounder_for<T>(), 1.5, 1.0, 0.1);
   p.tau = 0.8f;
   p.cap = 6.0f;
@@ -301,10 +304,7 @@ void check_failure_on_one_rank(const Comm& comm) {
   const int ranks = comm.size(), rank = comm.rank();
   const int odd = ranks - 1;
   const std::int64_t n = 6, h = 8;
-  const auto split = lce_dist::vocab_split(40, ranks, 0);
-  std::int64_t v0 = 0;
-  for (int r = 0; r < rank; ++r) v0 += split[static_cast<std::size_t>(r)];
-  const std::int64_t vr = split[static_cast<std::size_t>(rank)];
+  const auto [v0, vr] = shard_of(40, ranks, rank, 0);
   const auto p = lce_test::make_problem(n, h, 40, 99, lce_test::round_to_float, 1.0, 1.0, 0.0);
   const auto x = to_floats(p.x);
   const auto w = to_floats(std::vector<double>(p.w.begin() + v0 * h, p.w.begin() + (v0 + vr) * h));
@@ -387,10 +387,7 @@ void check_message_limit(const Comm& comm) {
   const int ranks = comm.size(), rank = comm.rank();
   if (ranks == 1) return;
   const std::int64_t n = 40, h = 16;
-  const auto split = lce_dist::vocab_split(300, ranks, 0);
-  std::int64_t v0 = 0;
-  for (int r = 0; r < rank; ++r) v0 += split[static_cast<std::size_t>(r)];
-  const std::int64_t vr = split[static_cast<std::size_t>(rank)];
+  const auto [v0, vr] = shard_of(300, ranks, rank, 0);
   const auto p = lce_test::make_problem(n, h, 300, 55, lce_test::round_to_float, 1.0, 1.0, 0.1);
   const auto x = to_floats(p.x);
   const auto w = to_floats(std::vector<double>(p.w.begin() + v0 * h, p.w.begin() + (v0 + vr) * h));
@@ -429,10 +426,7 @@ void check_mid_sweep_failure(const Comm& comm) {
   const int ranks = comm.size(), rank = comm.rank();
   if (ranks == 1) return;
   const std::int64_t n = 20, h = 8, chunk = 6, failing_chunk = 2;
-  const auto split = lce_dist::vocab_split(90, ranks, 0);
-  std::int64_t v0 = 0;
-  for (int r = 0; r < rank; ++r) v0 += split[static_cast<std::size_t>(r)];
-  const std::int64_t vr = split[static_cast<std::size_t>(rank)];
+  const auto [v0, vr] = shard_of(90, ranks, rank, 0);
   const auto p = lce_test::make_problem(n, h, 90, 66, lce_test::round_to_float, 1.0, 1.0, 0.0);
   const auto x = to_floats(p.x);
   const auto w = to_floats(std::vector<double>(p.w.begin() + v0 * h, p.w.begin() + (v0 + vr) * h));
