@@ -31,6 +31,7 @@
 // --threads: threads per rank for lce's row passes and OpenBLAS (0: cores / ranks).
 // --chunk: options.chunk_tokens (0: the op's own choice from its workspace budget).
 #include <lce/comm/mpi.hpp>
+#include <lce/host/blas_info.hpp>
 #include <lce/lce.hpp>
 
 #include "allocation_counter.hpp"
@@ -216,6 +217,8 @@ void run(const settings& s, bool sequence_parallel, int rank, int ranks, int thr
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Before MPI_Init: OpenBLAS's SSE3 fallback kernels -> restart with OPENBLAS_CORETYPE.
+  lce::reexec_with_fast_blas(argv);
   MPI_Init(&argc, &argv);
   int rank = 0, ranks = 1;
   MPI_Comm_rank(MPI_COMM_WORLD, &rank);
@@ -246,6 +249,7 @@ int main(int argc, char** argv) {
     std::printf("# lce_bench_distributed: N = %lld tokens, H = %lld, V = %lld, float; %d rank%s x %d thread%s; best of %d\n",
                 static_cast<long long>(s.tokens), static_cast<long long>(s.hidden), static_cast<long long>(s.vocab),
                 ranks, ranks == 1 ? "" : "s", threads, threads == 1 ? "" : "s", s.reps);
+    std::printf("# %s\n", lce::blas_info().line().c_str());
     std::printf("# %5s  %-8s %6s %10s %9s   %17s   %17s %6s %9s %8s %9s %10s\n", "ranks", "mode", "chunk",
                 "fwd+bwd ms", "fused ms", "fwd+bwd B/tok", "fused B/tok", "coll.", "wksp MiB", "peak MiB",
                 "VmHWM MiB", "mean NLL");

@@ -18,6 +18,7 @@
 //             [--chunk 512] [--threads 0] [--reps 2] [--quick]
 // (--chunk 0: the op's own choice from its default workspace budget; --quick: H = 512,1024
 // and N = 4096 only.) The lce calls and the GEMMs use the same thread count.
+#include <lce/host/blas_info.hpp>
 #include <lce/lce.hpp>
 
 #include "command_line.hpp"
@@ -39,8 +40,8 @@
 #include <thread>
 #include <vector>
 
-extern "C" void openblas_set_num_threads(int);
-extern "C" char* openblas_get_config(void);
+// OpenBLAS's thread control, when the BLAS is OpenBLAS (weak: absent otherwise).
+extern "C" void openblas_set_num_threads(int) __attribute__((weak));
 
 namespace {
 
@@ -239,6 +240,7 @@ const char* isa() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  lce::reexec_with_fast_blas(argv);  // OpenBLAS's SSE3 fallback kernels: restart with OPENBLAS_CORETYPE
   config cfg;
   bool quick = false, hidden_given = false, tokens_given = false;
   for (int i = 1; i < argc; ++i) {
@@ -268,12 +270,12 @@ int main(int argc, char** argv) {
     return usage(argv[0]), 2;
   const int threads = cfg.threads > 0 ? cfg.threads : int(std::max(1u, std::thread::hardware_concurrency()));
   cfg.threads = threads;
-  openblas_set_num_threads(threads);
+  if (openblas_set_num_threads) openblas_set_num_threads(threads);
 
-  std::printf("lce bench: float, chunk %s, %d threads, best of %d, compiled %s (g++ %s), %s\n",
+  std::printf("lce bench: float, chunk %s, %d threads, best of %d, compiled %s (g++ %s)\n%s\n",
               cfg.chunk > 0 ? ("C = " + std::to_string(cfg.chunk) + " tokens").c_str()
                             : "chosen by the op (budget_chunk, 256 MiB)",
-              threads, cfg.reps, isa(), __VERSION__, openblas_get_config());
+              threads, cfg.reps, isa(), __VERSION__, lce::blas_info().line().c_str());
   std::printf("wall times in ms, best of %d; GEMMs = the bare sgemm floor for the same call (fwd 1, "
               "bwd 3, fwd+bwd 4, fused 3 per chunk);\nratio = lce / GEMMs (wall); CPU ratio = the same "
               "with process CPU time; check = fused vs two-call max relative difference (logprobs, dX)\n\n",

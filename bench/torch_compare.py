@@ -111,6 +111,24 @@ def run_lce(demo, h, v, n, threads, reps):
     return float(row.group(1)), float(row.group(2)), float(rss.group(1))
 
 
+def torch_blas():
+    """torch's BLAS for float32 CPU matmul and the SIMD level its kernels use, in one line."""
+    config = torch.__config__.show()
+    found = re.search(r"BLAS_INFO=(\w+)", config)
+    blas = found.group(1) if found else "unknown"
+    mkl = re.search(r"Math Kernel Library Version ([\d.]+)", config)
+    if blas == "mkl" and mkl:
+        blas = f"MKL {mkl.group(1)}"
+    return f"torch BLAS: {blas}, CPU capability {torch.backends.cpu.get_cpu_capability()}"
+
+
+def lce_blas(demo):
+    """The demo's "BLAS: ..." line (lce::blas_info()): library, kernels, and a warning if slow."""
+    out = subprocess.run([demo, "--tokens", "8", "--hidden", "8", "--vocab", "16", "--threads", "1",
+                          "--no-reference"], capture_output=True, text=True).stdout
+    return next((line for line in out.splitlines() if line.startswith("BLAS:")), "BLAS: (not reported)")
+
+
 def main():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -132,7 +150,10 @@ def main():
         print(f"note: {args.lce_demo} not found; build the demo for the lce column", file=sys.stderr)
     mib = 1.0 / (1 << 20)
     print(f"torch {torch.__version__}, {threads} threads, float32, best of {args.reps}; "
-          f"time in s, peak extra memory in MiB (torch: VmHWM growth less dX, dW; lce: bytes allocated)\n")
+          f"time in s, peak extra memory in MiB (torch: VmHWM growth less dX, dW; lce: bytes allocated)")
+    print(torch_blas())
+    print(f"lce {lce_blas(args.lce_demo)}" if have_lce else "lce BLAS: (no demo)")
+    print()
     print("|    H |      V |     N | plain s | plain MiB | chunked s | chunked MiB | lce s | lce MiB "
           "| lce VmHWM MiB | plain/lce s | chunked/lce s |")
     print("|-----:|-------:|------:|--------:|----------:|----------:|------------:|------:|--------:"

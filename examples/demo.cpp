@@ -13,6 +13,7 @@
 //
 //   lce_demo [--tokens N] [--hidden H] [--vocab V] [--threads T] [--chunk C] [--reps R]
 //            [--no-reference]
+#include <lce/host/blas_info.hpp>
 #include <lce/lce.hpp>
 
 #include "allocation_counter.hpp"
@@ -35,7 +36,8 @@
 #include <thread>
 #include <vector>
 
-extern "C" void openblas_set_num_threads(int);
+// OpenBLAS's thread control, when the BLAS is OpenBLAS (weak: absent otherwise).
+extern "C" void openblas_set_num_threads(int) __attribute__((weak));
 
 // The bytes a method allocates (current and peak) are read off a counting
 // global operator new (support/allocation_counter.cpp, linked into this program).
@@ -146,6 +148,9 @@ void usage(const char* argv0) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // OpenBLAS on a CPU model it does not know runs SSE3 kernels: restart once with the
+  // OPENBLAS_CORETYPE this CPU allows (not when it or LCE_NO_REEXEC is set).
+  lce::reexec_with_fast_blas(argv);
   std::int64_t N = 8192, H = 256, V = 128256, chunk = 0;
   int threads = 0, reps = 1;
   bool with_reference = true;
@@ -169,7 +174,7 @@ int main(int argc, char** argv) {
   }
   if (N < 1 || H < 1 || V < 1 || threads < 0 || chunk < 0 || reps < 1) return usage(argv[0]), 2;
   if (threads == 0) threads = int(std::max(1u, std::thread::hardware_concurrency()));
-  openblas_set_num_threads(threads);
+  if (openblas_set_num_threads) openblas_set_num_threads(threads);
 
   // Inputs and outputs: allocated before any measurement, so not counted as extra.
   rng gen{20240607};
@@ -200,9 +205,10 @@ int main(int argc, char** argv) {
   const std::size_t workspace = op.workspace_bytes(N, H, V);
 
   const double io_bytes = 4.0 * double(2 * N * H + 2 * V * H + 2 * N) + 8.0 * double(N);
-  std::printf("lce demo: N = %lld tokens, H = %lld, V = %lld, float, %d threads, OpenBLAS sgemm%s\n",
+  std::printf("lce demo: N = %lld tokens, H = %lld, V = %lld, float, %d threads, sgemm%s\n",
               (long long)N, (long long)H, (long long)V, threads,
               reps > 1 ? (", best of " + std::to_string(reps) + " runs").c_str() : "");
+  std::printf("%s\n", lce::blas_info().line().c_str());
   std::printf("inputs + outputs: %.1f MiB (X, W, targets, dL/dlogp, logprobs, dX, dW); "
               "logits std %.2f (sampled)\n\n",
               mib(io_bytes), zstd);
