@@ -14,6 +14,7 @@
 #include <lce/core/backend.hpp>
 #include <lce/core/config.hpp>
 #include <lce/core/dtypes.hpp>
+#include <lce/core/error.hpp>
 #include <lce/core/row_math.hpp>
 #include <lce/core/views.hpp>
 #include <lce/host/detail/blas.hpp>
@@ -22,11 +23,13 @@
 #include <lce/host/detail/thread_pool.hpp>
 
 #include <algorithm>
+#include <atomic>
 #include <climits>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <new>
+#include <thread>
 
 LCE_BEGIN_NAMESPACE
 
@@ -76,10 +79,11 @@ class host {
   // this backend's threads, each tile one single-threaded BLAS call: the
   // result is the same whatever the thread counts (lce's or the BLAS's). A
   // 2-byte weight is widened to fp32 one vocabulary tile at a time (CBLAS has
-  // no 2-byte GEMM), by all threads into one shared block, which the tiles of
-  // that GEMM then read from cache: each weight row is widened once per GEMM.
+  // no 2-byte GEMM), by all threads into one of two shared slots, which that
+  // tile's GEMM tiles then read from cache while the next tile is widened into
+  // the other: each weight row is widened once per GEMM (for_widened_tiles).
 
-  // The fp32 elements of that block (0 for a weight of the compute type):
+  // The fp32 elements of those two slots (0 for a weight of the compute type):
   // from the shapes alone, so the chunk (and the bits) do not depend on threads().
   template <storage_type T>
   std::int64_t weight_block_elements(std::int64_t hidden, std::int64_t vocab_local) const {
@@ -87,13 +91,13 @@ class host {
       return 0;
     } else {
       // Saturates (the workspace plan then reports the overflow as an lce::error).
-      const std::int64_t rows = vocab_tile_rows<T>(hidden, vocab_local);
+      const std::int64_t rows = 2 * vocab_tile_rows<T>(hidden, vocab_local);
       return hidden > INT64_MAX / rows ? INT64_MAX : rows * hidden;
     }
   }
 
   // out = alpha x w^T, tiled over vocabulary rows (a 2-byte weight: over the
-  // output tiles of each widened vocabulary tile).
+  // output tiles of each widened vocabulary tile, all in one pass).
   template <class A, class T>
   void logits(matrix_view<const A> x, matrix_view<const T> w, A alpha, matrix_view<A> out, void* weight_block) {
     detail::single_threaded_blas scope;
@@ -106,20 +110,23 @@ class host {
       });
     } else {
       if (x.rows == 0) return;
-      for_widened_tiles(w, weight_block, [&](matrix_view<const A> block, std::int64_t v0) {
-        const output_tiling tiles(x.rows, block.rows);
-        for_tiles(tiles.count(), [&](std::int64_t t) {
-          const auto [r0, rows, c0, cols] = tiles.tile(t);
-          detail::gemm(detail::transpose::no, detail::transpose::yes, rows, cols, x.cols, alpha, x.row(r0), x.ld,
-                       block.row(c0), block.ld, A(0), out.row(r0) + v0 + c0, out.ld);
-        });
-      });
+      // The same tiles for every vocabulary tile (the last, shorter one clips
+      // them); half as many as for dX: two vocabulary tiles' are in flight.
+      const output_tiling tiles(x.rows, vocab_tile_rows<T>(w.cols, w.rows), output_tiling::default_target / 2);
+      for_widened_tiles(w, weight_block, tiles.count(), /*chained=*/false,
+                        [&](matrix_view<const A> block, std::int64_t v0, std::int64_t t) {
+                          const auto [r0, rows, c0, cols] = tiles.tile(t);
+                          if (c0 >= block.rows) return;
+                          detail::gemm(detail::transpose::no, detail::transpose::yes, rows,
+                                       std::min(cols, block.rows - c0), x.cols, alpha, x.row(r0), x.ld, block.row(c0),
+                                       block.ld, A(0), out.row(r0) + v0 + c0, out.ld);
+                        });
     }
   }
 
   // dx = alpha dz w (overwrites dx), over tiles of dx (rows x columns, from
   // the shapes: enough for every thread). A 2-byte weight is widened one
-  // vocabulary tile at a time and dx summed over those tiles in order.
+  // vocabulary tile at a time and each dx tile summed over those in order.
   template <class A, class T>
   void grad_hidden(matrix_view<const A> dz, matrix_view<const T> w, A alpha, matrix_view<A> dx, void* weight_block) {
     if (dx.rows == 0 || dx.cols == 0) return;
@@ -132,13 +139,13 @@ class host {
                      w.data + c0, w.ld, A(0), dx.row(r0) + c0, dx.ld);
       });
     } else {
-      for_widened_tiles(w, weight_block, [&](matrix_view<const A> block, std::int64_t v0) {
-        for_tiles(tiles.count(), [&](std::int64_t t) {
-          const auto [r0, rows, c0, cols] = tiles.tile(t);
-          detail::gemm(detail::transpose::no, detail::transpose::no, rows, cols, block.rows, alpha, dz.row(r0) + v0,
-                       dz.ld, block.data + c0, block.ld, v0 == 0 ? A(0) : A(1), dx.row(r0) + c0, dx.ld);
-        });
-      });
+      for_widened_tiles(w, weight_block, tiles.count(), /*chained=*/true,
+                        [&](matrix_view<const A> block, std::int64_t v0, std::int64_t t) {
+                          const auto [r0, rows, c0, cols] = tiles.tile(t);
+                          detail::gemm(detail::transpose::no, detail::transpose::no, rows, cols, block.rows, alpha,
+                                       dz.row(r0) + v0, dz.ld, block.data + c0, block.ld, v0 == 0 ? A(0) : A(1),
+                                       dx.row(r0) + c0, dx.ld);
+                        });
     }
   }
 
@@ -274,20 +281,21 @@ class host {
   }
 
   // Tiles of a GEMM's [rows, cols] output, from the shapes alone: about
-  // `target` of them (so that every thread gets some), no thinner than 64
+  // `target` of them (8: every thread of a small pool gets some), no thinner than 64
   // rows or 128 columns (single-threaded GEMMs slow down below that). Each
   // piece of rows re-reads the operand shared by the rows (cols x k), each
   // piece of columns the rows' operand (rows x k): of the splits that reach
   // the target, the one that reads the least.
   struct output_tiling {
-    static constexpr std::int64_t target = 8, min_rows = 64, min_cols = 128;
+    static constexpr std::int64_t default_target = 8, min_rows = 64, min_cols = 128;
+    static constexpr std::int64_t max_count = 2 * default_target;  // r pieces x ceil(target / r) < 2 target
     std::int64_t row_tile = 1, col_tile = 1, row_tiles = 0, col_tiles = 0;
 
     struct range {
       std::int64_t row, rows, col, cols;
     };
 
-    output_tiling(std::int64_t rows, std::int64_t cols) {
+    output_tiling(std::int64_t rows, std::int64_t cols, std::int64_t target = default_target) {
       if (rows <= 0 || cols <= 0) return;
       const std::int64_t max_row_pieces = std::max<std::int64_t>(1, rows / min_rows);
       const std::int64_t max_col_pieces = std::max<std::int64_t>(1, cols / min_cols);
@@ -317,18 +325,78 @@ class host {
     std::int64_t last_row_ = 0, last_col_ = 0;
   };
 
-  // Calls body(block, v0) for each tile of vocabulary rows of a 2-byte
-  // weight in order, `block` being its rows from v0 on, widened to fp32 once
-  // (by all threads) into `scratch` (weight_block_elements<T>).
-  template <class T, class Body>
-  void for_widened_tiles(matrix_view<const T> w, void* scratch, Body&& body) {
-    const std::int64_t tile = vocab_tile_rows<T>(w.cols, w.rows);
-    float* const data = static_cast<float*>(scratch);
-    for (std::int64_t v0 = 0; v0 < w.rows; v0 += tile) {
-      const std::int64_t rows = std::min(tile, w.rows - v0);
-      for_rows(rows, w.cols, [&](std::int64_t r) { detail::convert_span(w.row(v0 + r), data + r * w.cols, w.cols); });
-      body(matrix_view<const float>{data, rows, w.cols, w.cols}, v0);
-    }
+  // Runs gemm(block, v0, j) for every tile of vocabulary rows [v0, v0 +
+  // block.rows) of a 2-byte weight and every output tile j in [0, jobs), in
+  // one pass of the pool: tile k is widened to fp32 (once, by all threads, in
+  // pieces) into slot k % 2 of `scratch` (weight_block_elements<T>) while the
+  // GEMMs of tile k - 1 run, so no thread waits at a barrier between tiles.
+  // Grains are handed out in the order W0 W1 G0 G1 W2 G2 W3 G3 ... (Wk: the
+  // pieces of widening k, Gk: its GEMMs); each waits only for what it needs,
+  // all of it earlier in that order (so someone is already on it):
+  //   Wk (k >= 2)  the GEMMs of tile k - 2, which read the slot it rewrites;
+  //   Gk, job j    Wk, and with `chained` job j of tile k - 1, which it adds to
+  //                (so each output tile sums over the vocabulary tiles in order).
+  template <class T, class Gemm>
+  void for_widened_tiles(matrix_view<const T> w, void* scratch, std::int64_t jobs, bool chained, Gemm&& gemm) {
+    const std::int64_t tile = vocab_tile_rows<T>(w.cols, w.rows), tiles = ceil_div(w.rows, tile);
+    const std::int64_t piece = std::max<std::int64_t>(1, (std::int64_t{1} << 16) / std::max<std::int64_t>(w.cols, 1));
+    const std::int64_t pieces = ceil_div(tile, piece);
+    if (jobs <= 0 || tiles <= 0) return;
+    float* const slots[2] = {static_cast<float*>(scratch), static_cast<float*>(scratch) + tile * w.cols};
+
+    // Progress, counted up (never reset): pieces widened and GEMMs done into
+    // each slot over all its tiles so far, and per job the tiles it has done.
+    struct alignas(64) counter {
+      std::atomic<std::int64_t> value{0};
+    };
+    counter widened[2], gemms_done[2];
+    counter job_tiles[output_tiling::max_count];  // with `chained` (its jobs are output tiles)
+    detail::expects(!chained || jobs <= output_tiling::max_count, "for_widened_tiles: ", jobs, " chained jobs");
+    std::atomic<bool> failed{false};
+    const auto wait_for = [&failed](auto&& ready) {
+      for (unsigned spin = 0;; ++spin) {
+        if (ready()) return true;
+        if (failed.load(std::memory_order_relaxed)) return false;  // a grain threw: the pool rethrows it
+        if (spin < 4096) detail::spin_pause();
+        else std::this_thread::yield();
+      }
+    };
+    const auto at_least = [](const counter& c, std::int64_t n) { return c.value.load(std::memory_order_acquire) >= n; };
+
+    const auto widen = [&](std::int64_t k, std::int64_t p) {
+      if (k >= 2 && !wait_for([&] { return at_least(gemms_done[k % 2], k / 2 * jobs); })) return;
+      const std::int64_t v0 = k * tile, rows = std::min(tile, w.rows - v0);
+      for (std::int64_t r = p * piece; r < std::min(rows, (p + 1) * piece); ++r)
+        detail::convert_span(w.row(v0 + r), slots[k % 2] + r * w.cols, w.cols);
+      widened[k % 2].value.fetch_add(1, std::memory_order_release);
+    };
+    const auto multiply = [&](std::int64_t k, std::int64_t j) {
+      if (!wait_for([&] { return at_least(widened[k % 2], (k / 2 + 1) * pieces); })) return;
+      if (chained && k >= 1 && !wait_for([&] { return at_least(job_tiles[j], k); })) return;
+      const std::int64_t v0 = k * tile, rows = std::min(tile, w.rows - v0);
+      gemm(matrix_view<const float>{slots[k % 2], rows, w.cols, w.cols}, v0, j);
+      if (chained) job_tiles[j].value.store(k + 1, std::memory_order_release);
+      gemms_done[k % 2].value.fetch_add(1, std::memory_order_release);
+    };
+    // Grain i of the order above.
+    const std::int64_t head = std::min<std::int64_t>(tiles, 2) * pieces + std::min<std::int64_t>(tiles, 2) * jobs;
+    const auto run = [&](std::int64_t i) {
+      if (i < head) {
+        const std::int64_t widenings = std::min<std::int64_t>(tiles, 2) * pieces;
+        if (i < widenings) return widen(i / pieces, i % pieces);
+        return multiply((i - widenings) / jobs, (i - widenings) % jobs);
+      }
+      const std::int64_t k = 2 + (i - head) / (pieces + jobs), r = (i - head) % (pieces + jobs);
+      return r < pieces ? widen(k, r) : multiply(k, r - pieces);
+    };
+    pool_->parallel_for(tiles * (pieces + jobs), 1, [&](std::int64_t begin, std::int64_t end, int) {
+      try {
+        for (std::int64_t i = begin; i < end; ++i) run(i);
+      } catch (...) {
+        failed.store(true, std::memory_order_relaxed);
+        throw;
+      }
+    });
   }
 
   template <class Body>
