@@ -270,13 +270,19 @@ class host {
   // Vocabulary rows per GEMM tile, from the shapes alone: about 16 tiles to
   // share, but never under 1024 rows (single-threaded BLAS GEMMs only reach
   // full speed from about 512 columns up) nor over 4096. A 2-byte weight's
-  // tile is widened into scratch that the GEMM tiles read from cache, so
-  // there it also stays within about 2^21 fp32 elements (but at least 512 rows).
+  // tiles are widened into two slots of scratch that the GEMM tiles read from
+  // cache (for_widened_tiles), so there they are half as tall (about 32 tiles,
+  // 512 to 2048 rows) and each stays within about 2^20 fp32 elements (but at
+  // least 256 rows): the two slots together as large as one tile before.
   template <class T>
   static constexpr std::int64_t vocab_tile_rows(std::int64_t hidden, std::int64_t vocab_local) {
-    std::int64_t rows = std::clamp<std::int64_t>(ceil_div(vocab_local, 16), 1024, 4096);
-    if constexpr (half_precision<T>)
-      rows = std::min(rows, std::max<std::int64_t>(512, (std::int64_t{1} << 21) / std::max<std::int64_t>(hidden, 1)));
+    std::int64_t rows = 0;
+    if constexpr (half_precision<T>) {
+      rows = std::clamp<std::int64_t>(ceil_div(vocab_local, 32), 512, 2048);
+      rows = std::min(rows, std::max<std::int64_t>(256, (std::int64_t{1} << 20) / std::max<std::int64_t>(hidden, 1)));
+    } else {
+      rows = std::clamp<std::int64_t>(ceil_div(vocab_local, 16), 1024, 4096);
+    }
     return std::max<std::int64_t>(1, std::min(rows, vocab_local));
   }
 
