@@ -12,7 +12,7 @@ cd "$root"
 # OpenBLAS 0.3.21 runs SSE3 kernels on CPU models it does not know: test with the
 # kernels this CPU allows (the ones users get from lce's programs and README advice).
 eval "$("$root/scripts/blas-coretype.sh" --export)"
-echo "OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-(unset: OpenBLAS's own choice is right)}"
+echo "OPENBLAS_CORETYPE=${OPENBLAS_CORETYPE:-unset, the kernels OpenBLAS picks itself are right here}"
 
 # OpenMPI refuses to run as root without these (CI containers run as root).
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
