@@ -239,6 +239,34 @@ struct dpo_token_grad {
   }
 };
 
+// The reference value of each paired sequence must be finite.
+struct ref_report {
+  std::int64_t bad = no_index;  // first pair with a non-finite reference value
+  std::int64_t sequence = 0;
+  double value = 0;
+};
+struct ref_report_min {
+  LCE_HOST_DEVICE ref_report operator()(const ref_report& a, const ref_report& b) const {
+    return a.bad <= b.bad ? a : b;
+  }
+};
+template <class P>
+struct ref_entry {
+  pair_list<P> list;
+  const double* ref;
+  LCE_HOST_DEVICE ref_report operator()(std::int64_t p) const {
+    ref_report r;
+    const std::int64_t c = list.chosen(p), j = list.rejected(p);
+    const std::int64_t s = !finite(ref[c]) ? c : (!finite(ref[j]) ? j : -1);
+    if (s >= 0) {
+      r.bad = p;
+      r.sequence = s;
+      r.value = ref[s];
+    }
+    return r;
+  }
+};
+
 template <class Policy, class R, class I, class C>
 void sequence_sums(Policy&& exec, seqs<C> sq, token_weight<I> w, const R* logp, bool length_average,
                    double* seq_logprobs, std::int64_t* seq_tokens) {
@@ -266,6 +294,9 @@ void sequence_logprobs(Policy&& exec, const packed_tokens<I, C>& batch, vector_v
   expects(n == 0 || logprobs.data, "logprobs: null data for ", n, " tokens");
   check_size("seq_logprobs", seq_logprobs.size, sq.count, "the number of sequences", false);
   check_size("seq_tokens", seq_tokens.size, sq.count, "the number of sequences", false);
+  check_no_alias({bytes_of(logprobs, "logprobs"), bytes_of(batch.targets, "targets"),
+                  bytes_of(batch.cu_seqlens, "cu_seqlens"), bytes_of(batch.weights, "weights")},
+                 {bytes_of(seq_logprobs, "seq_logprobs"), bytes_of(seq_tokens, "seq_tokens")});
   sequence_sums(exec, sq, weight_of(batch), static_cast<const std::remove_const_t<R>*>(logprobs.data), length_average,
                 seq_logprobs.data, seq_tokens.data);
 }
@@ -288,6 +319,9 @@ dpo_result dpo_loss(Policy&& exec, const packed_tokens<I, C>& batch, const dpo_i
   const std::int64_t n = in.logprobs.size;
   const auto sq = check_batch(exec, batch, n);
   expects(n == 0 || in.logprobs.data, "logprobs: null data for ", n, " tokens");
+  expects(in.ref_seq_logprobs.size == 0 || in.ref_seq_logprobs.data, "ref_seq_logprobs: null data for ",
+          in.ref_seq_logprobs.size, " sequences");
+  expects(in.pairs.size == 0 || in.pairs.data, "pairs: null data for ", in.pairs.size, " entries");
   check_size("ref_seq_logprobs", in.ref_seq_logprobs.size, sq.count, "the number of sequences", false);
   check_size("grad_logprobs", out.grad_logprobs.size, n, "logprobs", false);
   check_size("seq_logprobs", out.seq_logprobs.size, sq.count, "the number of sequences", false);
@@ -297,6 +331,12 @@ dpo_result dpo_loss(Policy&& exec, const packed_tokens<I, C>& batch, const dpo_i
   expects(in.pairs.size > 0 || sq.count % 2 == 0, "pairs: empty (consecutive sequences (0, 1), (2, 3), ...) needs an "
           "even number of sequences, got ", sq.count);
   const std::int64_t np = count_pairs(in, sq.count);
+  check_normaliser(normaliser, np, "pair(s)");
+  check_no_alias({bytes_of(in.logprobs, "logprobs"), bytes_of(in.ref_seq_logprobs, "ref_seq_logprobs"),
+                  bytes_of(in.pairs, "pairs"), bytes_of(batch.targets, "targets"),
+                  bytes_of(batch.cu_seqlens, "cu_seqlens"), bytes_of(batch.weights, "weights")},
+                 {bytes_of(out.grad_logprobs, "grad_logprobs"), bytes_of(out.seq_logprobs, "seq_logprobs"),
+                  bytes_of(out.seq_grad, "seq_grad"), bytes_of(out.seq_tokens, "seq_tokens")});
   const pair_list<P> list{in.pairs.size ? in.pairs.data : nullptr};
   const auto idx = thrust::make_counting_iterator<std::int64_t>(0);
   if (np > 0) {
@@ -314,7 +354,12 @@ dpo_result dpo_loss(Policy&& exec, const packed_tokens<I, C>& batch, const dpo_i
     expects(clash.bad == no_index, "pairs[", clash.bad, "] = (", clash.chosen, ", ", clash.rejected,
             "): sequence ", clash.sequence, " is also in pairs[",
             clash.other, "]: each sequence may be in at most one pair");
+    const ref_report ref = thrust::transform_reduce(exec, idx, idx + np, ref_entry<P>{list, in.ref_seq_logprobs.data},
+                                                    ref_report{}, ref_report_min{});
+    expects(ref.bad == no_index, "ref_seq_logprobs[", ref.sequence, "] = ", ref.value, " is not finite (sequence ",
+            ref.sequence, " is in pairs[", ref.bad, "])");
   }
+  check_finite_values(exec, "logprobs", in.logprobs.data, sq, weight_of(batch));
   // every check done: now write
   const auto w = weight_of(batch);
   sequence_sums(exec, sq, w, in.logprobs.data, opt.length_average, out.seq_logprobs.data, out.seq_tokens.data);

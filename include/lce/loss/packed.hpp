@@ -20,6 +20,7 @@
 #include <lce/core/config.hpp>
 #include <lce/core/error.hpp>
 #include <lce/core/views.hpp>
+#include <lce/detail/arguments.hpp>
 
 #include <thrust/execution_policy.h>
 #include <thrust/fill.h>
@@ -189,21 +190,118 @@ seqs<C> check_cu_seqlens(Policy&& exec, vector_view<const C> cu, std::int64_t n,
   return seqs<C>{cu.data, s, n};
 }
 
-template <class Policy, class I, class C>
-seqs<C> check_batch(Policy&& exec, const packed_tokens<I, C>& batch, std::int64_t n) {
-  static_assert(index_type<I>, "lce: targets must hold std::int32_t or std::int64_t");
-  check_size("targets", batch.targets.size, n, "the number of tokens", true);
-  check_size("weights", batch.weights.size, n, "the number of tokens", true);
-  expects(batch.targets.size == 0 || n == 0 || batch.targets.data, "targets: null data for ", n, " tokens");
-  expects(batch.weights.size == 0 || n == 0 || batch.weights.data, "weights: null data for ", n, " tokens");
-  return check_cu_seqlens(exec, batch.cu_seqlens, n, "cu_seqlens");
-}
+// Finite without <cmath> in device code: inf - inf and NaN - NaN are NaN.
+LCE_HOST_DEVICE inline bool finite(double v) { return v - v == 0.0; }
+
+// The first non-finite value of a reduction (index, value) and a count.
+struct value_report {
+  std::int64_t bad = no_index;  // first token i whose value is not finite
+  std::int64_t at = 0;          // the entry read for it (i, or its sequence)
+  double value = 0;
+  std::int64_t counted = 0;     // counted tokens
+};
+struct value_report_plus {
+  LCE_HOST_DEVICE value_report operator()(const value_report& a, const value_report& b) const {
+    value_report r = a.bad <= b.bad ? a : b;
+    r.counted = a.counted + b.counted;
+    return r;
+  }
+};
+
+// Weights: every entry finite (a NaN in a mask is a bug upstream, counted or
+// not); counts the counted tokens on the way (for the normaliser's check).
+template <class I>
+struct weight_entry {
+  token_weight<I> w;
+  LCE_HOST_DEVICE value_report operator()(std::int64_t i) const {
+    value_report r;
+    if (w.weights && !finite(static_cast<double>(w.weights[i]))) {
+      r.bad = i;
+      r.at = i;
+      r.value = static_cast<double>(w.weights[i]);
+      return r;
+    }
+    r.counted = w(i) != 0.0 ? 1 : 0;
+    return r;
+  }
+};
 
 template <class I, class C>
 token_weight<I> weight_of(const packed_tokens<I, C>& batch) {
   return {batch.targets.size ? batch.targets.data : nullptr, batch.weights.size ? batch.weights.data : nullptr,
           batch.ignore_index};
 }
+
+// Checks the batch against n tokens (sizes, cu_seqlens, finite weights);
+// `counted` (optional) receives this rank's counted tokens.
+template <class Policy, class I, class C>
+seqs<C> check_batch(Policy&& exec, const packed_tokens<I, C>& batch, std::int64_t n,
+                    std::int64_t* counted = nullptr) {
+  static_assert(index_type<I>, "lce: targets must hold std::int32_t or std::int64_t");
+  check_size("targets", batch.targets.size, n, "the number of tokens", true);
+  check_size("weights", batch.weights.size, n, "the number of tokens", true);
+  expects(batch.targets.size == 0 || n == 0 || batch.targets.data, "targets: null data for ", n, " tokens");
+  expects(batch.weights.size == 0 || n == 0 || batch.weights.data, "weights: null data for ", n, " tokens");
+  const auto sq = check_cu_seqlens(exec, batch.cu_seqlens, n, "cu_seqlens");
+  if (n > 0 && (counted || batch.weights.size)) {
+    const auto idx = thrust::make_counting_iterator<std::int64_t>(0);
+    const value_report r = thrust::transform_reduce(exec, idx, idx + n, weight_entry<I>{weight_of(batch)},
+                                                    value_report{}, value_report_plus{});
+    expects(r.bad == no_index, "weights[", r.bad, "] = ", r.value, " is not finite");
+    if (counted) *counted = r.counted;
+  } else if (counted) {
+    *counted = 0;
+  }
+  return sq;
+}
+
+// A per-token (or, per_sequence, per-sequence) input read by counted tokens:
+// its value there must be finite. Tokens that do not count are not read.
+template <class R, class C, class I>
+struct finite_entry {
+  const R* data;
+  token_weight<I> w;
+  seqs<C> sq;
+  bool per_sequence;
+  LCE_HOST_DEVICE value_report operator()(std::int64_t i) const {
+    value_report r;
+    if (w(i) == 0.0) return r;
+    const std::int64_t at = per_sequence ? sq.of(i) : i;
+    const double v = static_cast<double>(data[at]);
+    if (!finite(v)) {
+      r.bad = i;
+      r.at = at;
+      r.value = v;
+    }
+    return r;
+  }
+};
+
+template <class Policy, class R, class C, class I>
+void check_finite_values(Policy&& exec, const char* name, const R* data, seqs<C> sq, token_weight<I> w,
+                         bool per_sequence = false) {
+  if (!data || sq.n == 0) return;
+  const auto idx = thrust::make_counting_iterator<std::int64_t>(0);
+  const value_report r = thrust::transform_reduce(exec, idx, idx + sq.n, finite_entry<R, C, I>{data, w, sq, per_sequence},
+                                                  value_report{}, value_report_plus{});
+  if (per_sequence)
+    expects(r.bad == no_index, name, "[", r.at, "] = ", r.value, " is not finite (sequence ", r.at,
+            " has counted tokens, the first at ", r.bad, ")");
+  else
+    expects(r.bad == no_index, name, "[", r.bad, "] = ", r.value,
+            " is not finite (token ", r.bad, " counts: its target is not ignore_index and its weight is not 0)");
+}
+
+// normaliser: finite, >= 0, and not 0 while this rank has something to normalise.
+inline void check_normaliser(double normaliser, std::int64_t units, const char* what) {
+  check_non_negative("normaliser", normaliser);
+  expects(normaliser > 0 || units == 0, "normaliser is 0 but this rank has ", units, " ", what,
+          ": pass the global count (count_loss_units summed by global_token_count), which includes them");
+}
+
+// No output may overlap an input or another output (lce::error naming both).
+using detail::bytes_of;
+using detail::check_no_alias;
 
 template <class T>
 const T* optional_data(vector_view<T> v) {
@@ -371,6 +469,8 @@ void shift_targets_packed(Policy&& exec, vector_view<Tok> token_ids, vector_view
       loss_detail::check_cu_seqlens(exec, vector_view<const C0>{cu_seqlens.data, cu_seqlens.size}, n, "cu_seqlens");
   if (n == 0) return;
   detail::expects(token_ids.data && targets_out.data, "token_ids / targets_out: null data for ", n, " tokens");
+  detail::check_no_alias({detail::bytes_of(token_ids, "token_ids"), detail::bytes_of(cu_seqlens, "cu_seqlens")},
+                         {detail::bytes_of(targets_out, "targets_out")});
   const auto idx = thrust::make_counting_iterator<std::int64_t>(0);
   thrust::transform(exec, idx, idx + n, targets_out.data,
                     loss_detail::shifted_target<T0, C0, I>{token_ids.data, sq, ignore_index});
@@ -392,12 +492,11 @@ template <class Policy, class I, class C>
   requires loss_detail::is_policy<Policy>
 std::int64_t count_loss_units(Policy&& exec, const packed_tokens<I, C>& batch, std::int64_t tokens,
                               loss_reduction reduction = loss_reduction::token_mean) {
-  const auto sq = loss_detail::check_batch(exec, batch, tokens);
+  std::int64_t counted = 0;
+  const auto sq = loss_detail::check_batch(exec, batch, tokens, &counted);
+  if (reduction == loss_reduction::token_mean) return counted;
   const auto w = loss_detail::weight_of(batch);
   const auto idx = thrust::make_counting_iterator<std::int64_t>(0);
-  if (reduction == loss_reduction::token_mean)
-    return thrust::transform_reduce(exec, idx, idx + tokens, loss_detail::counted_token<I>{w}, std::int64_t{0},
-                                    thrust::plus<std::int64_t>());
   return thrust::transform_reduce(exec, idx, idx + sq.count, loss_detail::sequence_has_tokens<C, I>{sq, w},
                                   std::int64_t{0}, thrust::plus<std::int64_t>());
 }

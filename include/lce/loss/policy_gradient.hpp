@@ -208,12 +208,14 @@ pg_result policy_gradient_loss(Policy&& exec, const packed_tokens<I, C>& batch, 
   check_non_negative("pg_options.kl_coef", opt.kl_coef);
   check_non_negative("pg_options.tis_cap", opt.tis_cap);
   check_non_negative("pg_options.entropy_coef", opt.entropy_coef);
-  check_non_negative("normaliser", normaliser);
   // sizes
-  const auto sq = check_batch(exec, batch, n);
+  std::int64_t counted = 0;
+  const auto sq = check_batch(exec, batch, n, &counted);
+  check_normaliser(normaliser, counted, "counted tokens");
   expects(n == 0 || in.logprobs.data, "logprobs: null data for ", n, " tokens");
   check_size("advantages", in.advantages.size, opt.sequence_advantages ? sq.count : n,
              opt.sequence_advantages ? "the number of sequences (sequence_advantages)" : "logprobs", false);
+  expects(in.advantages.size == 0 || in.advantages.data, "advantages: null data for ", in.advantages.size, " entries");
   check_size("old_logprobs", in.old_logprobs.size, n, "logprobs", true);
   check_size("ref_logprobs", in.ref_logprobs.size, n, "logprobs", opt.kl_coef == 0);
   check_size("generation_logprobs", in.generation_logprobs.size, n, "logprobs", opt.tis_cap == 0);
@@ -224,7 +226,24 @@ pg_result policy_gradient_loss(Policy&& exec, const packed_tokens<I, C>& batch, 
   check_size("seq_tokens", out.seq_tokens.size, sq.count, "the number of sequences",
              opt.reduction != loss_reduction::sequence_mean);
 
+  check_no_alias({bytes_of(in.logprobs, "logprobs"), bytes_of(in.advantages, "advantages"),
+                  bytes_of(in.old_logprobs, "old_logprobs"), bytes_of(in.ref_logprobs, "ref_logprobs"),
+                  bytes_of(in.generation_logprobs, "generation_logprobs"), bytes_of(in.entropy, "entropy"),
+                  bytes_of(batch.targets, "targets"), bytes_of(batch.cu_seqlens, "cu_seqlens"),
+                  bytes_of(batch.weights, "weights")},
+                 {bytes_of(out.grad_logprobs, "grad_logprobs"), bytes_of(out.grad_entropy, "grad_entropy"),
+                  bytes_of(out.seq_loss, "seq_loss"), bytes_of(out.seq_tokens, "seq_tokens")});
+
   const auto w = weight_of(batch);
+  // values read by counted tokens: finite (a NaN advantage or log-prob would
+  // turn the whole gradient to NaN without a word)
+  check_finite_values(exec, "logprobs", in.logprobs.data, sq, w);
+  check_finite_values(exec, "advantages", in.advantages.data, sq, w, opt.sequence_advantages);
+  check_finite_values(exec, "old_logprobs", optional_data(in.old_logprobs), sq, w);
+  check_finite_values(exec, "ref_logprobs", optional_data(in.ref_logprobs), sq, w);
+  if (opt.tis_cap > 0) check_finite_values(exec, "generation_logprobs", optional_data(in.generation_logprobs), sq, w);
+  check_finite_values(exec, "entropy", optional_data(in.entropy), sq, w);
+
   const std::int64_t* counts = nullptr;
   if (out.seq_tokens.size) {
     sequence_token_counts(exec, sq, w, out.seq_tokens.data);

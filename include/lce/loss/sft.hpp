@@ -72,9 +72,9 @@ struct weighted_nll {
 };
 
 template <class Policy, class I, class C>
-void sft_checks(Policy&&, const packed_tokens<I, C>&, const seqs<C>& sq, double normaliser, std::int64_t seq_tokens,
-                const sft_options& options) {
-  check_non_negative("normaliser", normaliser);
+void sft_checks(Policy&&, const packed_tokens<I, C>&, const seqs<C>& sq, double normaliser, std::int64_t counted,
+                std::int64_t seq_tokens, const sft_options& options) {
+  check_normaliser(normaliser, counted, "counted tokens");
   check_size("seq_tokens", seq_tokens, sq.count, "the number of sequences", true);
   expects(options.reduction != loss_reduction::sequence_mean || seq_tokens == sq.count,
           "seq_tokens: sequence_mean needs it ([", sq.count, "] per-sequence counts), got size ", seq_tokens);
@@ -92,8 +92,12 @@ void sft_grad_logprobs(Policy&& exec, const packed_tokens<I, C>& batch, double n
                        const sft_options& options = {}) {
   using namespace loss_detail;
   const std::int64_t n = grad_logprobs.size;
-  const auto sq = check_batch(exec, batch, n);
-  sft_checks(exec, batch, sq, normaliser, seq_tokens.size, options);
+  std::int64_t counted = 0;
+  const auto sq = check_batch(exec, batch, n, &counted);
+  sft_checks(exec, batch, sq, normaliser, counted, seq_tokens.size, options);
+  check_no_alias({bytes_of(batch.targets, "targets"), bytes_of(batch.cu_seqlens, "cu_seqlens"),
+                  bytes_of(batch.weights, "weights")},
+                 {bytes_of(grad_logprobs, "grad_logprobs"), bytes_of(seq_tokens, "seq_tokens")});
   const auto w = weight_of(batch);
   const std::int64_t* counts = nullptr;
   if (seq_tokens.size) {
@@ -115,11 +119,18 @@ sft_result sft_loss(Policy&& exec, const packed_tokens<I, C>& batch, vector_view
   using namespace loss_detail;
   using R0 = std::remove_const_t<R>;
   const std::int64_t n = logprobs.size;
-  const auto sq = check_batch(exec, batch, n);
+  std::int64_t counted = 0;
+  const auto sq = check_batch(exec, batch, n, &counted);
+  expects(n == 0 || logprobs.data, "logprobs: null data for ", n, " tokens");
   check_size("grad_logprobs", out.grad_logprobs.size, n, "logprobs", true);
   check_size("seq_nll", out.seq_nll.size, sq.count, "the number of sequences", true);
-  sft_checks(exec, batch, sq, normaliser, out.seq_tokens.size, options);
+  sft_checks(exec, batch, sq, normaliser, counted, out.seq_tokens.size, options);
+  check_no_alias({bytes_of(logprobs, "logprobs"), bytes_of(batch.targets, "targets"),
+                  bytes_of(batch.cu_seqlens, "cu_seqlens"), bytes_of(batch.weights, "weights")},
+                 {bytes_of(out.grad_logprobs, "grad_logprobs"), bytes_of(out.seq_nll, "seq_nll"),
+                  bytes_of(out.seq_tokens, "seq_tokens")});
   const auto w = weight_of(batch);
+  check_finite_values(exec, "logprobs", static_cast<const R0*>(logprobs.data), sq, w);
   const std::int64_t* counts = nullptr;
   if (out.seq_tokens.size) {
     sequence_token_counts(exec, sq, w, out.seq_tokens.data);
