@@ -1,0 +1,287 @@
+#pragma once
+// The CPU kernels of the lce:: torch ops: each one builds lce views on the
+// tensors' storage (no copy for contiguous or row-strided hidden / weight),
+// takes the operator for (dtype, options, group, threads) from a per-thread
+// cache and makes one lce call.
+//
+// kernels<T> is instantiated in two translation units (ops_full.cpp for float
+// and double, ops_half.cpp for bfloat16 and float16) so that they compile in
+// parallel; register.cpp only declares them.
+
+#include "process_group_comm.hpp"
+
+#include <lce/lce.hpp>
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+namespace lce_torch {
+
+// The op arguments that become lce::options (and the communicator).
+struct config {
+  std::int64_t vocab_start = 0;
+  std::int64_t ignore_index = -100;
+  double temperature = 1.0;
+  double softcap = 0.0;
+  bool sequence_parallel = false;
+  std::int64_t chunk_tokens = 0;
+  std::int64_t workspace_limit_bytes = std::int64_t{256} << 20;
+  std::optional<std::string> group_name;
+
+  lce::options to_options() const {
+    TORCH_CHECK(workspace_limit_bytes > 0, "lce: options.workspace_limit_bytes must be > 0, got ",
+                workspace_limit_bytes);
+    lce::options o;
+    o.vocab_start = vocab_start;
+    o.ignore_index = ignore_index;
+    o.temperature = static_cast<float>(temperature);
+    o.softcap = static_cast<float>(softcap);
+    o.sequence_parallel = sequence_parallel;
+    o.chunk_tokens = chunk_tokens;
+    o.workspace_limit_bytes = static_cast<std::size_t>(workspace_limit_bytes);
+    return o;
+  }
+};
+
+// Whether operators keep their scratch between calls (lce's default) or give
+// it back after each call (this package's default: PyTorch users expect memory
+// to be returned, and peak-memory measurements to be honest).
+bool keep_workspace();
+void set_keep_workspace(bool keep);
+
+// lce's element type for a torch dtype.
+template <class T> struct lce_type_of;
+template <> struct lce_type_of<float> { using type = float; };
+template <> struct lce_type_of<double> { using type = double; };
+template <> struct lce_type_of<c10::BFloat16> { using type = lce::bfloat16; };
+template <> struct lce_type_of<c10::Half> { using type = lce::float16; };
+
+// hidden [..., H] as rows: a view (no copy) when the leading dimensions
+// collapse into one row stride and the last dimension is contiguous,
+// otherwise a contiguous copy.
+struct rows_view {
+  at::Tensor tensor;  // keeps a copy alive when one was needed
+  std::int64_t rows = 0, cols = 0, ld = 0;
+};
+
+inline rows_view as_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() >= 1, "lce_torch: ", name, " must have at least one dimension (..., H), got a scalar");
+  const std::int64_t cols = x.size(-1);
+  std::int64_t rows = 1;
+  for (std::int64_t d = 0; d + 1 < x.dim(); ++d) rows *= x.size(d);
+  at::Tensor m;
+  if (x.dim() == 2) {
+    m = x;
+  } else {
+    // view() succeeds exactly when the leading dimensions collapse without a copy.
+    std::optional<at::Tensor> viewed;
+    try {
+      viewed = x.view({rows, cols});
+    } catch (const c10::Error&) {
+    }
+    m = viewed ? *viewed : x.contiguous().view({rows, cols});
+  }
+  if ((cols > 1 && m.stride(1) != 1) || (rows > 1 && m.stride(0) < cols)) m = m.contiguous();
+  const std::int64_t ld = rows > 1 ? m.stride(0) : cols;
+  return {m, rows, cols, ld};
+}
+
+// A 1-D unit-stride tensor of the same elements (per-token vectors; small).
+inline at::Tensor as_vector(const at::Tensor& x) {
+  at::Tensor v = x.reshape({-1});
+  if (v.numel() > 1 && v.stride(0) != 1) v = v.contiguous();
+  return v;
+}
+
+// Per-token inputs (lse, grad_logprobs, grad_entropy) in the result dtype.
+inline at::Tensor per_token(const at::Tensor& x, at::ScalarType result, std::int64_t n, const char* name) {
+  TORCH_CHECK(x.device().is_cpu(), "lce_torch: ", name, " must be a CPU tensor, got ", x.device());
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "lce_torch: ", name, " must be floating point, got ",
+              x.scalar_type());
+  TORCH_CHECK(x.numel() == n, "lce_torch: ", name, " has ", x.numel(), " elements, the targets ", n);
+  at::Tensor v = as_vector(x);
+  if (v.scalar_type() != result) v = v.to(result);
+  return v;
+}
+
+template <class E>
+lce::matrix_view<E> matrix_of(const rows_view& r) {
+  return {reinterpret_cast<E*>(const_cast<void*>(static_cast<const void*>(r.tensor.const_data_ptr()))), r.rows,
+          r.cols, r.ld};
+}
+
+template <class E>
+lce::vector_view<E> vector_of(const at::Tensor& v) {
+  return {reinterpret_cast<E*>(const_cast<void*>(v.const_data_ptr())), v.numel()};
+}
+
+inline at::ScalarType result_dtype(at::ScalarType t) { return t == at::kDouble ? at::kDouble : at::kFloat; }
+
+// The operator of this thread for (T, options, group, threads).
+template <class T>
+class operator_cache {
+ public:
+  using op_t = lce::ChunkedHiddenToLogprobs<process_group_comm, T>;
+
+  static op_t& get(const config& c) {
+    process_group_comm comm = c.group_name ? process_group_comm(*c.group_name) : process_group_comm();
+    const lce::options o = c.to_options();
+    const int threads = at::get_num_threads();
+    const void* group = comm.size() > 1 ? comm.identity() : nullptr;
+    auto& entries = table();
+    for (auto& e : entries)
+      if (e.threads == threads && e.group == group && same(e.opt, o)) return *e.op;
+    if (entries.size() >= 8) entries.erase(entries.begin());
+    entries.push_back({o, group, threads, std::make_unique<op_t>(std::move(comm), o, lce::host{threads})});
+    return *entries.back().op;
+  }
+
+ private:
+  struct entry {
+    lce::options opt;
+    const void* group;
+    int threads;
+    std::unique_ptr<op_t> op;
+  };
+  static bool same(const lce::options& a, const lce::options& b) {
+    return a.vocab_start == b.vocab_start && a.ignore_index == b.ignore_index && a.temperature == b.temperature &&
+           a.softcap == b.softcap && a.sequence_parallel == b.sequence_parallel && a.chunk_tokens == b.chunk_tokens &&
+           a.workspace_limit_bytes == b.workspace_limit_bytes;
+  }
+  static std::vector<entry>& table() {
+    thread_local std::vector<entry> entries;
+    return entries;
+  }
+};
+
+// Gives the scratch back after a call (also when it raised) unless keep_workspace().
+template <class Op>
+struct workspace_release {
+  Op& op;
+  ~workspace_release() {
+    if (!keep_workspace()) op.release_workspace();
+  }
+};
+
+template <class TorchT>
+struct kernels {
+  using T = typename lce_type_of<TorchT>::type;
+  using R = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+  // -> (logprobs, lse, entropy) shaped as targets; entropy is [0] when not asked for.
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const at::Tensor& hidden, const at::Tensor& weight,
+                                                                const at::Tensor& targets, bool with_entropy,
+                                                                const config& c);
+
+  // -> (grad_hidden shaped as hidden, grad_weight [V_r, H]) in the inputs' dtype.
+  static std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& grad_logprobs,
+                                                     const std::optional<at::Tensor>& grad_entropy,
+                                                     const at::Tensor& hidden, const at::Tensor& weight,
+                                                     const at::Tensor& targets, const at::Tensor& lse,
+                                                     const config& c);
+
+  // One sweep: -> (logprobs, grad_hidden, grad_weight) for a dL/dlogprobs known up front.
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_backward(const at::Tensor& hidden,
+                                                                         const at::Tensor& weight,
+                                                                         const at::Tensor& targets,
+                                                                         const at::Tensor& grad_logprobs,
+                                                                         const config& c);
+};
+
+// Calls f with the targets as an lce vector view of int32 or int64.
+template <class F>
+decltype(auto) with_targets(const at::Tensor& t, F&& f) {
+  if (t.scalar_type() == at::kInt) return f(vector_of<const std::int32_t>(t));
+  return f(vector_of<const std::int64_t>(t));
+}
+
+template <class TorchT>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> kernels<TorchT>::forward(const at::Tensor& hidden,
+                                                                        const at::Tensor& weight,
+                                                                        const at::Tensor& targets, bool with_entropy,
+                                                                        const config& c) {
+  auto& op = operator_cache<T>::get(c);
+  workspace_release<typename operator_cache<T>::op_t> release{op};
+  const rows_view x = as_rows(hidden, "hidden"), w = as_rows(weight, "weight");
+  const at::Tensor y = as_vector(targets);
+  const auto out = at::TensorOptions().dtype(c10::CppTypeToScalarType<R>::value);
+  at::Tensor logp = at::empty(targets.sizes(), out), lse = at::empty(targets.sizes(), out);
+  at::Tensor ent = with_entropy ? at::empty(targets.sizes(), out) : at::empty({0}, out);
+  with_targets(y, [&](auto ids) {
+    if (with_entropy)
+      op.forward(matrix_of<const T>(x), matrix_of<const T>(w), ids, vector_of<R>(logp), vector_of<R>(lse),
+                 vector_of<R>(ent));
+    else
+      op.forward(matrix_of<const T>(x), matrix_of<const T>(w), ids, vector_of<R>(logp), vector_of<R>(lse));
+  });
+  return {logp, lse, ent};
+}
+
+template <class TorchT>
+std::tuple<at::Tensor, at::Tensor> kernels<TorchT>::backward(const at::Tensor& grad_logprobs,
+                                                             const std::optional<at::Tensor>& grad_entropy,
+                                                             const at::Tensor& hidden, const at::Tensor& weight,
+                                                             const at::Tensor& targets, const at::Tensor& lse,
+                                                             const config& c) {
+  auto& op = operator_cache<T>::get(c);
+  workspace_release<typename operator_cache<T>::op_t> release{op};
+  const rows_view x = as_rows(hidden, "hidden"), w = as_rows(weight, "weight");
+  const at::Tensor y = as_vector(targets);
+  const auto rt = c10::CppTypeToScalarType<R>::value;
+  const at::Tensor ls = per_token(lse, rt, y.numel(), "lse");
+  const at::Tensor gl = per_token(grad_logprobs, rt, y.numel(), "grad_logprobs");
+  at::Tensor dx = at::empty(hidden.sizes(), hidden.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor dw = at::zeros({w.rows, w.cols}, weight.options().memory_format(at::MemoryFormat::Contiguous));
+  const rows_view gx = as_rows(dx, "grad_hidden"), gw = as_rows(dw, "grad_weight");
+  with_targets(y, [&](auto ids) {
+    if (grad_entropy && grad_entropy->defined()) {
+      const at::Tensor ge = per_token(*grad_entropy, rt, y.numel(), "grad_entropy");
+      op.backward(matrix_of<const T>(x), matrix_of<const T>(w), ids, vector_of<const R>(ls),
+                  vector_of<const R>(gl), vector_of<const R>(ge), matrix_of<T>(gx), matrix_of<T>(gw));
+    } else {
+      op.backward(matrix_of<const T>(x), matrix_of<const T>(w), ids, vector_of<const R>(ls),
+                  vector_of<const R>(gl), matrix_of<T>(gx), matrix_of<T>(gw));
+    }
+  });
+  return {dx, dw};
+}
+
+template <class TorchT>
+std::tuple<at::Tensor, at::Tensor, at::Tensor> kernels<TorchT>::forward_backward(const at::Tensor& hidden,
+                                                                                 const at::Tensor& weight,
+                                                                                 const at::Tensor& targets,
+                                                                                 const at::Tensor& grad_logprobs,
+                                                                                 const config& c) {
+  auto& op = operator_cache<T>::get(c);
+  workspace_release<typename operator_cache<T>::op_t> release{op};
+  const rows_view x = as_rows(hidden, "hidden"), w = as_rows(weight, "weight");
+  const at::Tensor y = as_vector(targets);
+  const auto rt = c10::CppTypeToScalarType<R>::value;
+  const at::Tensor gl = per_token(grad_logprobs, rt, y.numel(), "grad_logprobs");
+  at::Tensor logp = at::empty(targets.sizes(), at::TensorOptions().dtype(rt));
+  at::Tensor dx = at::empty(hidden.sizes(), hidden.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor dw = at::zeros({w.rows, w.cols}, weight.options().memory_format(at::MemoryFormat::Contiguous));
+  const rows_view gx = as_rows(dx, "grad_hidden"), gw = as_rows(dw, "grad_weight");
+  with_targets(y, [&](auto ids) {
+    op.forward_backward(matrix_of<const T>(x), matrix_of<const T>(w), ids, vector_of<const R>(gl),
+                        vector_of<R>(logp), matrix_of<T>(gx), matrix_of<T>(gw));
+  });
+  return {logp, dx, dw};
+}
+
+extern template struct kernels<float>;
+extern template struct kernels<double>;
+extern template struct kernels<c10::BFloat16>;
+extern template struct kernels<c10::Half>;
+
+}  // namespace lce_torch

@@ -1,0 +1,171 @@
+// The lce:: torch operators: schemas (TORCH_LIBRARY) and their CPU kernels.
+// Fake (meta) kernels and autograd are registered in Python
+// (lce_torch/_ops.py: torch.library.register_fake / register_autograd).
+//
+//   lce::logprobs                  hidden, weight, targets -> logprobs, lse, entropy
+//   lce::logprobs_backward         grad_logprobs, grad_entropy?, hidden, weight, targets, lse
+//                                  -> grad_hidden, grad_weight
+//   lce::logprobs_forward_backward hidden, weight, targets, grad_logprobs
+//                                  -> logprobs, grad_hidden, grad_weight (one sweep)
+//
+// Every op takes the same keyword options: vocab_start, ignore_index,
+// temperature, softcap, sequence_parallel, chunk_tokens, workspace_limit_bytes,
+// group_name (a torch.distributed group's name; None: one rank).
+
+#include "kernels.hpp"
+
+#include <lce/host/blas_info.hpp>
+
+#include <torch/library.h>
+
+#include <atomic>
+
+namespace lce_torch {
+
+namespace {
+std::atomic<bool> keep_workspace_flag{false};
+}
+bool keep_workspace() { return keep_workspace_flag.load(std::memory_order_relaxed); }
+void set_keep_workspace(bool keep) { keep_workspace_flag.store(keep, std::memory_order_relaxed); }
+
+namespace {
+
+#define LCE_TORCH_OPTIONS                                                                                        \
+  "int vocab_start=0, int ignore_index=-100, float temperature=1.0, float softcap=0.0, "                        \
+  "bool sequence_parallel=False, int chunk_tokens=0, int workspace_limit_bytes=268435456, str? group_name=None"
+
+config make_config(std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap,
+                   bool sequence_parallel, std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes,
+                   const std::optional<std::string>& group_name) {
+  config c;
+  c.vocab_start = vocab_start;
+  c.ignore_index = ignore_index;
+  c.temperature = temperature;
+  c.softcap = softcap;
+  c.sequence_parallel = sequence_parallel;
+  c.chunk_tokens = chunk_tokens;
+  c.workspace_limit_bytes = workspace_limit_bytes;
+  c.group_name = group_name;
+  return c;
+}
+
+void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets) {
+  TORCH_CHECK(hidden.device().is_cpu() && weight.device().is_cpu() && targets.device().is_cpu(),
+              "lce_torch: hidden, weight and targets must all be CPU tensors, got ", hidden.device(), ", ",
+              weight.device(), ", ", targets.device());
+  TORCH_CHECK(hidden.dim() >= 1, "lce_torch: hidden must be [..., H], got a scalar");
+  TORCH_CHECK(weight.dim() == 2, "lce_torch: weight must be [V_local, H], got ", weight.dim(), " dimensions ",
+              weight.sizes());
+  TORCH_CHECK_TYPE(hidden.scalar_type() == weight.scalar_type(), "lce_torch: hidden (", hidden.scalar_type(),
+                   ") and weight (", weight.scalar_type(), ") must have the same dtype");
+  const auto t = hidden.scalar_type();
+  TORCH_CHECK_TYPE(t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf,
+                   "lce_torch: hidden and weight must be float32, float64, bfloat16 or float16, got ", t);
+  TORCH_CHECK_TYPE(targets.scalar_type() == at::kInt || targets.scalar_type() == at::kLong,
+                   "lce_torch: targets must be int32 or int64, got ", targets.scalar_type());
+}
+
+// Calls f.template operator()<TorchT>() for the dtype of hidden.
+template <class F>
+decltype(auto) dispatch(at::ScalarType t, F&& f) {
+  switch (t) {
+    case at::kFloat: return f.template operator()<float>();
+    case at::kDouble: return f.template operator()<double>();
+    case at::kBFloat16: return f.template operator()<c10::BFloat16>();
+    default: return f.template operator()<c10::Half>();
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> logprobs_cpu(
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, bool with_entropy,
+    std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel,
+    std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name) {
+  check_inputs(hidden, weight, targets);
+  const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
+                               workspace_limit_bytes, group_name);
+  return dispatch(hidden.scalar_type(), [&]<class TorchT>() {
+    return kernels<TorchT>::forward(hidden, weight, targets, with_entropy, c);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> logprobs_backward_cpu(
+    const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy, const at::Tensor& hidden,
+    const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& lse, std::int64_t vocab_start,
+    std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel, std::int64_t chunk_tokens,
+    std::int64_t workspace_limit_bytes, std::optional<std::string> group_name) {
+  check_inputs(hidden, weight, targets);
+  const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
+                               workspace_limit_bytes, group_name);
+  return dispatch(hidden.scalar_type(), [&]<class TorchT>() {
+    return kernels<TorchT>::backward(grad_logprobs, grad_entropy, hidden, weight, targets, lse, c);
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> logprobs_forward_backward_cpu(
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& grad_logprobs,
+    std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel,
+    std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name) {
+  check_inputs(hidden, weight, targets);
+  const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
+                               workspace_limit_bytes, group_name);
+  return dispatch(hidden.scalar_type(), [&]<class TorchT>() {
+    return kernels<TorchT>::forward_backward(hidden, weight, targets, grad_logprobs, c);
+  });
+}
+
+// CUDA: lce's CUDA backend (lce::cuda_backend{cudaStream_t}) is not in the
+// repository yet. When it lands, these become kernels instantiating
+// ChunkedHiddenToLogprobs<..., lce::cuda_backend> on
+// at::cuda::getCurrentCUDAStream(), with a communicator over ProcessGroupNCCL;
+// the schemas, fake kernels and autograd stay as they are.
+[[noreturn]] void no_cuda_yet() {
+  TORCH_CHECK_NOT_IMPLEMENTED(false,
+                              "lce_torch: CUDA tensors need lce's CUDA backend, which is not built yet; "
+                              "move hidden, weight and targets to the CPU");
+}
+std::tuple<at::Tensor, at::Tensor, at::Tensor> logprobs_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                             bool, std::int64_t, std::int64_t, double, double, bool,
+                                                             std::int64_t, std::int64_t, std::optional<std::string>) {
+  no_cuda_yet();
+}
+std::tuple<at::Tensor, at::Tensor> logprobs_backward_cuda(const at::Tensor&, const std::optional<at::Tensor>&,
+                                                          const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                          const at::Tensor&, std::int64_t, std::int64_t, double,
+                                                          double, bool, std::int64_t, std::int64_t,
+                                                          std::optional<std::string>) {
+  no_cuda_yet();
+}
+std::tuple<at::Tensor, at::Tensor, at::Tensor> logprobs_forward_backward_cuda(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, std::int64_t, std::int64_t, double,
+    double, bool, std::int64_t, std::int64_t, std::optional<std::string>) {
+  no_cuda_yet();
+}
+
+std::string blas_info_line() { return lce::blas_info().line(); }
+
+}  // namespace
+}  // namespace lce_torch
+
+TORCH_LIBRARY(lce, m) {
+  m.def("logprobs(Tensor hidden, Tensor weight, Tensor targets, *, bool with_entropy=False, " LCE_TORCH_OPTIONS
+        ") -> (Tensor logprobs, Tensor lse, Tensor entropy)");
+  m.def("logprobs_backward(Tensor grad_logprobs, Tensor? grad_entropy, Tensor hidden, Tensor weight, "
+        "Tensor targets, Tensor lse, *, " LCE_TORCH_OPTIONS ") -> (Tensor grad_hidden, Tensor grad_weight)");
+  m.def("logprobs_forward_backward(Tensor hidden, Tensor weight, Tensor targets, Tensor grad_logprobs, "
+        "*, " LCE_TORCH_OPTIONS ") -> (Tensor logprobs, Tensor grad_hidden, Tensor grad_weight)");
+  m.def("blas_info() -> str", &lce_torch::blas_info_line);
+  m.def("set_keep_workspace(bool keep) -> ()", &lce_torch::set_keep_workspace);
+}
+
+TORCH_LIBRARY_IMPL(lce, CPU, m) {
+  m.impl("logprobs", &lce_torch::logprobs_cpu);
+  m.impl("logprobs_backward", &lce_torch::logprobs_backward_cpu);
+  m.impl("logprobs_forward_backward", &lce_torch::logprobs_forward_backward_cpu);
+}
+
+// The place for the CUDA kernels (see no_cuda_yet above).
+TORCH_LIBRARY_IMPL(lce, CUDA, m) {
+  m.impl("logprobs", &lce_torch::logprobs_cuda);
+  m.impl("logprobs_backward", &lce_torch::logprobs_backward_cuda);
+  m.impl("logprobs_forward_backward", &lce_torch::logprobs_forward_backward_cuda);
+}

@@ -1,0 +1,181 @@
+"""lce_torch: lce's chunked hidden -> log-probabilities operator in PyTorch.
+
+    import lce_torch
+    logp = lce_torch.linear_logprobs(hidden, weight, targets)           # [...], differentiable
+    loss = lce_torch.linear_cross_entropy(hidden, weight, targets)      # = F.cross_entropy(F.linear(h, w), y)
+
+Neither materialises the [tokens, vocab] logits: lce computes them a chunk of
+tokens at a time (at most ``workspace_limit_bytes`` of scratch, 256 MiB by
+default). Tensor parallel (vocabulary-sharded weight): pass ``group=`` (a
+torch.distributed ProcessGroup, gloo on the CPU) and this rank's ``vocab_start``.
+
+The operators are ``torch.ops.lce.logprobs``, ``torch.ops.lce.logprobs_backward``
+and ``torch.ops.lce.logprobs_forward_backward`` (CPU kernels; fake kernels and
+autograd registered, so torch.compile(fullgraph=True) traces them).
+"""
+import torch
+
+from . import _ops  # noqa: F401  (registers fake kernels and autograd)
+
+__all__ = [
+    "linear_logprobs",
+    "linear_cross_entropy",
+    "shard_vocab_start",
+    "blas_info",
+    "set_keep_workspace",
+]
+
+_DEFAULT_WORKSPACE = 256 << 20
+
+
+def _group_name(group):
+    if group is None:
+        return None
+    if isinstance(group, str):
+        return group
+    return group.group_name
+
+
+def _options(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
+             workspace_limit_bytes, group):
+    return dict(
+        vocab_start=int(vocab_start),
+        ignore_index=int(ignore_index),
+        temperature=float(temperature),
+        softcap=float(softcap),
+        sequence_parallel=bool(sequence_parallel),
+        chunk_tokens=int(chunk_tokens),
+        workspace_limit_bytes=int(workspace_limit_bytes),
+        group_name=_group_name(group),
+    )
+
+
+def linear_logprobs(hidden, weight, targets, *, vocab_start=0, ignore_index=-100, temperature=1.0, softcap=0.0,
+                    with_entropy=False, return_lse=False, group=None, sequence_parallel=False, chunk_tokens=0,
+                    workspace_limit_bytes=_DEFAULT_WORKSPACE):
+    """Per-token log p(targets | hidden) under the LM head ``weight``, without the logits.
+
+    hidden [..., H] (float32, bfloat16, float16, float64), weight [V_local, H] (same
+    dtype), targets [...] (int32 / int64 global ids, or ``ignore_index``: log-prob 0).
+    Logits are ``softcap * tanh(hidden @ weight.T / softcap) / temperature`` (softcap 0: none).
+
+    Returns ``logprobs`` [...] (float32; float64 for float64 inputs), or the tuple
+    ``(logprobs, entropy)`` with ``with_entropy``, with ``lse`` appended when
+    ``return_lse``. ``logprobs`` and ``entropy`` are differentiable with respect to
+    hidden and weight; ``lse`` is not.
+
+    group: a torch.distributed ProcessGroup (or its name) holding the other vocabulary
+    shards; this rank's shard covers ids [vocab_start, vocab_start + V_local) (see
+    ``shard_vocab_start``). Every rank passes the same hidden and targets (unless
+    ``sequence_parallel``: its own rows of hidden, all targets); the hidden gradient
+    is summed over the group (the same on every rank).
+    """
+    opts = _options(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
+                    workspace_limit_bytes, group)
+    logp, lse, ent = torch.ops.lce.logprobs(hidden, weight, targets, with_entropy=with_entropy, **opts)
+    out = (logp,)
+    if with_entropy:
+        out += (ent,)
+    if return_lse:
+        out += (lse,)
+    return out[0] if len(out) == 1 else out
+
+
+def _token_weights(targets, class_weight, ignore_index, dtype):
+    valid = targets != ignore_index
+    if class_weight is None:
+        return valid.to(dtype)
+    safe = torch.where(valid, targets, torch.zeros_like(targets)).long()
+    return torch.where(valid, class_weight.to(dtype)[safe], torch.zeros((), dtype=dtype, device=targets.device))
+
+
+class _FusedCrossEntropy(torch.autograd.Function):
+    """Mean / sum cross-entropy in one lce sweep (forward_backward: 3 GEMMs per chunk
+    instead of 4): dL/dlogp is known before the forward, so the gradients are computed
+    in the forward and scaled by the incoming (scalar) gradient in the backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, class_weight, reduction, opts):
+        rdt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        w = _token_weights(targets, class_weight, opts["ignore_index"], rdt)
+        denom = w.sum() if reduction == "mean" else torch.ones((), dtype=rdt)
+        grad = -w / denom
+        logp, grad_hidden, grad_weight = torch.ops.lce.logprobs_forward_backward(
+            hidden, weight, targets, grad, **opts)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        return ((grad * logp).sum()).to(hidden.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        g = grad_loss.to(torch.float32 if grad_hidden.dtype != torch.float64 else torch.float64)
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = (grad_hidden * g).to(grad_hidden.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = (grad_weight * g).to(grad_weight.dtype)
+        return dx, dw, None, None, None, None
+
+
+def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weight=None, reduction="mean",
+                         ignore_index=-100, label_smoothing=0.0, temperature=1.0, softcap=0.0, group=None,
+                         vocab_start=0, sequence_parallel=False, chunk_tokens=0,
+                         workspace_limit_bytes=_DEFAULT_WORKSPACE, fused=True):
+    """``F.cross_entropy(F.linear(input, linear_weight), target, ...)`` without the logits.
+
+    The arguments follow ``torch.nn.functional.linear_cross_entropy``: ``weight`` is the
+    optional per-class rescaling weight [V] (the full vocabulary), ``reduction`` is
+    "mean" (weighted by ``weight``, over targets other than ``ignore_index``), "sum" or
+    "none" (per token, 0 where ignored), in the dtype of ``input``.
+    ``label_smoothing`` other than 0 and ``linear_bias`` raise NotImplementedError
+    (lce does not compute the mean logit over the vocabulary that smoothing needs).
+
+    "mean" and "sum" with gradients enabled run lce's one-sweep forward_backward
+    (``fused=True``): the gradients are computed in the forward and scaled in the
+    backward. Otherwise the forward alone runs, and the backward (if any) is a second
+    sweep. ``group`` / ``vocab_start``: tensor parallel, as in ``linear_logprobs``.
+    """
+    if linear_bias is not None:
+        raise NotImplementedError("lce_torch.linear_cross_entropy: linear_bias is not supported (lce has no bias)")
+    if label_smoothing != 0.0:
+        raise NotImplementedError(
+            "lce_torch.linear_cross_entropy: label_smoothing is not supported: it needs the mean logit over the "
+            "vocabulary, which lce does not compute")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"lce_torch.linear_cross_entropy: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if ignore_index is None:
+        ignore_index = -100
+    opts = _options(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
+                    workspace_limit_bytes, group)
+    needs_grad = torch.is_grad_enabled() and (input.requires_grad or linear_weight.requires_grad)
+    if reduction != "none" and fused and needs_grad:
+        return _FusedCrossEntropy.apply(input, linear_weight, target, weight, reduction, opts)
+    logp, _, _ = torch.ops.lce.logprobs(input, linear_weight, target, with_entropy=False, **opts)
+    w = _token_weights(target, weight, ignore_index, logp.dtype)
+    nll = -(logp * w)
+    if reduction == "none":
+        return nll.to(input.dtype)
+    if reduction == "sum":
+        return nll.sum().to(input.dtype)
+    return (nll.sum() / w.sum()).to(input.dtype)
+
+
+def shard_vocab_start(group, vocab_local):
+    """The first global id of this rank's shard when every rank of ``group`` holds
+    ``vocab_local`` rows (any sizes), in rank order: one all-gather; call it once."""
+    import torch.distributed as dist
+
+    sizes = [None] * dist.get_world_size(group)
+    dist.all_gather_object(sizes, int(vocab_local), group=group)
+    return sum(sizes[: dist.get_rank(group)])
+
+
+def blas_info():
+    """One line on the BLAS lce runs on: library, version, kernels, threads, CPU (lce::blas_info)."""
+    return torch.ops.lce.blas_info()
+
+
+def set_keep_workspace(keep):
+    """Keep each cached operator's scratch between calls (lce's own default) instead of
+    returning it after every call (this package's default)."""
+    torch.ops.lce.set_keep_workspace(bool(keep))

@@ -1,0 +1,129 @@
+"""Fake (meta) kernels and autograd of the lce:: torch operators.
+
+The operators themselves are defined in C++ (csrc/register.cpp, TORCH_LIBRARY
+namespace ``lce``); importing ``lce_torch._C`` registers them with their CPU
+kernels. This module adds what torch.compile and autograd need:
+
+* ``torch.library.register_fake``: shapes and dtypes of every output, so that
+  ``torch.compile(fullgraph=True)`` traces through the ops without graph breaks;
+* ``torch.library.register_autograd`` for ``lce::logprobs``: the gradient of
+  ``logprobs`` and ``entropy`` with respect to ``hidden`` and ``weight`` is the
+  ``lce::logprobs_backward`` op (``lse`` is a non-differentiable statistic);
+  the two gradient ops raise a clear error if differentiated again.
+"""
+import torch
+
+from . import _C  # noqa: F401  (loads the library: registers torch.ops.lce.*)
+
+_ops = torch.ops.lce
+
+OPTION_NAMES = (
+    "vocab_start",
+    "ignore_index",
+    "temperature",
+    "softcap",
+    "sequence_parallel",
+    "chunk_tokens",
+    "workspace_limit_bytes",
+    "group_name",
+)
+
+
+def _result_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_fake(hidden, weight, targets):
+    torch._check(weight.dim() == 2, lambda: f"lce_torch: weight must be [V_local, H], got {tuple(weight.shape)}")
+    torch._check(hidden.dim() >= 1, lambda: "lce_torch: hidden must be [..., H], got a scalar")
+    torch._check(
+        hidden.dtype == weight.dtype,
+        lambda: f"lce_torch: hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype",
+    )
+    torch._check(
+        targets.dtype in (torch.int32, torch.int64),
+        lambda: f"lce_torch: targets must be int32 or int64, got {targets.dtype}",
+    )
+
+
+# ---- fake kernels -----------------------------------------------------------
+
+
+@torch.library.register_fake("lce::logprobs")
+def _logprobs_fake(hidden, weight, targets, *, with_entropy=False, **options):
+    _check_fake(hidden, weight, targets)
+    rdt = _result_dtype(hidden.dtype)
+    logp = targets.new_empty(targets.shape, dtype=rdt)
+    lse = targets.new_empty(targets.shape, dtype=rdt)
+    ent = targets.new_empty(targets.shape if with_entropy else (0,), dtype=rdt)
+    return logp, lse, ent
+
+
+@torch.library.register_fake("lce::logprobs_backward")
+def _logprobs_backward_fake(grad_logprobs, grad_entropy, hidden, weight, targets, lse, **options):
+    _check_fake(hidden, weight, targets)
+    return (
+        torch.empty_like(hidden, memory_format=torch.contiguous_format),
+        torch.empty_like(weight, memory_format=torch.contiguous_format),
+    )
+
+
+@torch.library.register_fake("lce::logprobs_forward_backward")
+def _logprobs_forward_backward_fake(hidden, weight, targets, grad_logprobs, **options):
+    _check_fake(hidden, weight, targets)
+    return (
+        targets.new_empty(targets.shape, dtype=_result_dtype(hidden.dtype)),
+        torch.empty_like(hidden, memory_format=torch.contiguous_format),
+        torch.empty_like(weight, memory_format=torch.contiguous_format),
+    )
+
+
+# ---- autograd -----------------------------------------------------------------
+
+
+def _logprobs_setup_context(ctx, inputs, keyword_only_inputs, output):
+    hidden, weight, targets = inputs
+    _, lse, entropy = output
+    ctx.save_for_backward(hidden, weight, targets, lse)
+    ctx.with_entropy = bool(keyword_only_inputs.get("with_entropy", False))
+    ctx.options = {k: v for k, v in keyword_only_inputs.items() if k in OPTION_NAMES}
+    ctx.mark_non_differentiable(lse)
+    if not ctx.with_entropy:
+        ctx.mark_non_differentiable(entropy)
+
+
+def _logprobs_backward(ctx, grad_logprobs, grad_lse, grad_entropy):
+    hidden, weight, targets, lse = ctx.saved_tensors
+    if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+        return None, None, None
+    if grad_logprobs is None:
+        grad_logprobs = torch.zeros_like(lse)
+    if not ctx.with_entropy:
+        grad_entropy = None
+    grad_hidden, grad_weight = _ops.logprobs_backward(
+        grad_logprobs, grad_entropy, hidden, weight, targets, lse, **ctx.options
+    )
+    return (
+        grad_hidden if ctx.needs_input_grad[0] else None,
+        grad_weight if ctx.needs_input_grad[1] else None,
+        None,
+    )
+
+
+torch.library.register_autograd("lce::logprobs", _logprobs_backward, setup_context=_logprobs_setup_context)
+
+
+def _no_double_backward(name):
+    def setup_context(ctx, inputs, keyword_only_inputs, output):
+        pass
+
+    def backward(ctx, *grads):
+        raise NotImplementedError(
+            f"lce_torch: {name} computes gradients and is not differentiable itself (no double backward)"
+        )
+
+    torch.library.register_autograd(name, backward, setup_context=setup_context)
+
+
+_no_double_backward("lce::logprobs_backward")
+_no_double_backward("lce::logprobs_forward_backward")
