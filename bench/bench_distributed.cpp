@@ -28,14 +28,24 @@
 //
 //   lce_bench_distributed [--tokens 4096] [--hidden 1024] [--vocab 32000] [--chunk 0]
 //                         [--reps 3] [--threads 0] [--mode both|vocab|sequence]
+//                         [--ranks 1,2,4] [--json FILE] [--svg FILE]
 // --threads: threads per rank for lce's row passes and OpenBLAS (0: cores / ranks).
 // --chunk: options.chunk_tokens (0: the op's own choice from its workspace budget).
+// --ranks: run the problem on the first P ranks of the job for each P listed (the
+//   others wait), e.g. `mpiexec -n 4 --oversubscribe lce_bench_distributed --ranks 1,2,4`;
+//   default: all ranks of the job. Times with more ranks than cores mean little; the
+//   bytes are exact.
+// --json FILE: every row (shape, ranks, threads, BLAS, times, bytes, memory);
+// --svg FILE: bytes on the wire per token against ranks (both modes, both call forms).
 #include <lce/comm/mpi.hpp>
 #include <lce/host/blas_info.hpp>
 #include <lce/lce.hpp>
 
 #include "allocation_counter.hpp"
 #include "command_line.hpp"
+#include "support/json_writer.hpp"
+#include "support/memory_probe.hpp"
+#include "support/svg_plot.hpp"
 
 #include <mpi.h>
 
@@ -49,6 +59,7 @@
 #include <cstring>
 #include <fstream>
 #include <new>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -132,15 +143,30 @@ float value(std::uint64_t stream, std::uint64_t index, float scale) {
 struct settings {
   std::int64_t tokens = 4096, hidden = 1024, vocab = 32000, chunk = 0;
   int reps = 3, threads = 0;
-  std::string mode = "both";
+  std::string mode = "both", json, svg;
+  std::vector<int> ranks;  // --ranks: the group sizes to run (empty: the whole job)
 };
 
-double max_over_ranks(double v) {
-  MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+// One printed row, kept for --json and --svg (valid on rank 0).
+struct row {
+  int ranks = 1, threads = 1;
+  bool sequence_parallel = false;
+  std::int64_t chunk = 0;
+  double two_calls_ms = 0, fused_ms = 0;
+  double payload_two = 0, wire_two = 0, payload_fused = 0, wire_fused = 0, collectives_fused = 0;  // bytes per token
+  double workspace_mib = 0, scratch_mib = 0, vm_hwm_mib = 0, mean_nll = 0;
+};
+
+double max_over_ranks(double v, MPI_Comm group) {
+  MPI_Allreduce(MPI_IN_PLACE, &v, 1, MPI_DOUBLE, MPI_MAX, group);
   return v;
 }
 
-void run(const settings& s, bool sequence_parallel, int rank, int ranks, int threads) {
+row run(const settings& s, bool sequence_parallel, MPI_Comm group, int threads) {
+  int rank = 0, ranks = 1;
+  MPI_Comm_rank(group, &rank);
+  MPI_Comm_size(group, &ranks);
+  const auto max_over_ranks = [group](double v) { return ::max_over_ranks(v, group); };
   const std::int64_t n = s.tokens, h = s.hidden;
   const std::int64_t v0 = s.vocab * rank / ranks, vr = s.vocab * (rank + 1) / ranks - v0;
   const bool sp = sequence_parallel && ranks > 1;
@@ -167,20 +193,21 @@ void run(const settings& s, bool sequence_parallel, int rank, int ranks, int thr
   options.sequence_parallel = sp;
   options.chunk_tokens = s.chunk;
   traffic t;
-  lce::ChunkedHiddenToLogprobs<counting_mpi, float> op(counting_mpi(lce::comm::mpi{MPI_COMM_WORLD}, &t), options,
+  lce::ChunkedHiddenToLogprobs<counting_mpi, float> op(counting_mpi(lce::comm::mpi{group}, &t), options,
                                                        lce::host{threads});
   const std::int64_t chunk = op.chunk_tokens(n, h, vr);
   const std::int64_t workspace = static_cast<std::int64_t>(op.workspace_bytes(n, h, vr));
 
   const std::int64_t heap_before = heap::current();
   heap::reset_peak();
+  lce_bench::reset_resident_peak();  // VmHWM from here: a job running several group sizes reports each
   // Warm-up (allocates the workspace, agrees on the shards), then timed repetitions.
   op.forward(X, W, Y, LP, LSE);
 
   double best_two_calls = 1e300, best_fused = 1e300;
   traffic two_calls_traffic, fused_traffic;
   for (int rep = 0; rep < s.reps; ++rep) {
-    MPI_Barrier(MPI_COMM_WORLD);
+    MPI_Barrier(group);
     t = {};
     double start = seconds();
     op.forward(X, W, Y, LP, LSE);
@@ -188,7 +215,7 @@ void run(const settings& s, bool sequence_parallel, int rank, int ranks, int thr
     best_two_calls = std::min(best_two_calls, max_over_ranks(seconds() - start));
     two_calls_traffic = t;
 
-    MPI_Barrier(MPI_COMM_WORLD);
+    MPI_Barrier(group);
     t = {};
     start = seconds();
     op.forward_backward(X, W, Y, G, LP, DX, DW);
@@ -212,6 +239,13 @@ void run(const settings& s, bool sequence_parallel, int rank, int ranks, int thr
                 sp ? "sequence" : "vocab", static_cast<long long>(chunk), best_two_calls * 1e3, best_fused * 1e3,
                 payload_two, wire_two, payload_fused, wire_fused, collectives_fused, workspace_mib, scratch, hwm, nll);
   std::fflush(stdout);
+  row out;
+  out.ranks = ranks, out.threads = threads, out.sequence_parallel = sp, out.chunk = chunk;
+  out.two_calls_ms = best_two_calls * 1e3, out.fused_ms = best_fused * 1e3;
+  out.payload_two = payload_two, out.wire_two = wire_two, out.payload_fused = payload_fused, out.wire_fused = wire_fused;
+  out.collectives_fused = collectives_fused, out.workspace_mib = workspace_mib, out.scratch_mib = scratch;
+  out.vm_hwm_mib = hwm, out.mean_nll = nll;
+  return out;
 }
 
 }  // namespace
@@ -239,17 +273,24 @@ int main(int argc, char** argv) {
     else if (flag == "--reps") s.reps = std::max(1, std::atoi(arg.c_str()));
     else if (flag == "--threads") s.threads = std::atoi(arg.c_str());
     else if (flag == "--mode") s.mode = arg;
+    else if (flag == "--json") s.json = arg;
+    else if (flag == "--svg") s.svg = arg;
+    else if (flag == "--ranks") {
+      std::stringstream in(arg);
+      for (std::string item; std::getline(in, item, ',');)
+        if (!item.empty()) s.ranks.push_back(std::atoi(item.c_str()));
+    }
     else if (rank == 0) std::fprintf(stderr, "unknown option %s\n", flag.c_str());
   }
   const int cores = std::max(1, static_cast<int>(std::thread::hardware_concurrency()));
-  const int threads = s.threads > 0 ? s.threads : std::max(1, cores / ranks);
-  if (openblas_set_num_threads) openblas_set_num_threads(threads);
+  if (s.ranks.empty()) s.ranks = {ranks};
+  const lce::blas_report blas = lce::blas_info();
 
   if (rank == 0) {
-    std::printf("# lce_bench_distributed: N = %lld tokens, H = %lld, V = %lld, float; %d rank%s x %d thread%s; best of %d\n",
+    std::printf("# lce_bench_distributed: N = %lld tokens, H = %lld, V = %lld, float; job of %d rank%s; best of %d\n",
                 static_cast<long long>(s.tokens), static_cast<long long>(s.hidden), static_cast<long long>(s.vocab),
-                ranks, ranks == 1 ? "" : "s", threads, threads == 1 ? "" : "s", s.reps);
-    std::printf("# %s\n", lce::blas_info().line().c_str());
+                ranks, ranks == 1 ? "" : "s", s.reps);
+    std::printf("# %s\n", blas.line().c_str());
     std::printf("# %5s  %-8s %6s %10s %9s   %17s   %17s %6s %9s %8s %9s %10s\n", "ranks", "mode", "chunk",
                 "fwd+bwd ms", "fused ms", "fwd+bwd B/tok", "fused B/tok", "coll.", "wksp MiB", "peak MiB",
                 "VmHWM MiB", "mean NLL");
@@ -257,24 +298,102 @@ int main(int argc, char** argv) {
                 "payload /   wire", "payload /   wire", "fused", "per rank", "new()", "max rank", "");
   }
   bool ok = true;
-  for (bool sequence_parallel : {false, true}) {
-    if ((sequence_parallel && s.mode == "vocab") || (!sequence_parallel && s.mode == "sequence")) continue;
-    if (sequence_parallel && ranks == 1) {
-      if (rank == 0 && s.mode != "sequence") std::printf("# (one rank: sequence parallel is the same as vocabulary parallel)\n");
-      if (s.mode != "sequence") continue;
-    }
-    if (sequence_parallel && s.tokens % ranks != 0) {
-      if (rank == 0) std::printf("# sequence parallel skipped: %lld tokens do not split over %d ranks\n",
-                                 static_cast<long long>(s.tokens), ranks);
+  std::vector<row> rows;
+  for (int group_size : s.ranks) {
+    if (group_size < 1 || group_size > ranks) {
+      if (rank == 0) std::printf("# %d ranks skipped: the job has %d\n", group_size, ranks);
       continue;
     }
-    try {
-      run(s, sequence_parallel, rank, ranks, threads);
-    } catch (const lce::error& e) {
-      std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
-      ok = false;
-      break;
+    MPI_Comm group = MPI_COMM_NULL;
+    MPI_Comm_split(MPI_COMM_WORLD, rank < group_size ? 0 : MPI_UNDEFINED, rank, &group);
+    const int threads = s.threads > 0 ? s.threads : std::max(1, cores / group_size);
+    if (openblas_set_num_threads) openblas_set_num_threads(threads);
+    if (group != MPI_COMM_NULL) {
+      for (bool sequence_parallel : {false, true}) {
+        if ((sequence_parallel && s.mode == "vocab") || (!sequence_parallel && s.mode == "sequence")) continue;
+        if (sequence_parallel && group_size == 1) {
+          if (rank == 0 && s.mode != "sequence")
+            std::printf("# (one rank: sequence parallel is the same as vocabulary parallel)\n");
+          if (s.mode != "sequence") continue;
+        }
+        if (sequence_parallel && s.tokens % group_size != 0) {
+          if (rank == 0) std::printf("# sequence parallel skipped: %lld tokens do not split over %d ranks\n",
+                                     static_cast<long long>(s.tokens), group_size);
+          continue;
+        }
+        try {
+          rows.push_back(run(s, sequence_parallel, group, threads));
+        } catch (const lce::error& e) {
+          std::fprintf(stderr, "rank %d: %s\n", rank, e.what());
+          ok = false;
+          break;
+        }
+      }
+      MPI_Comm_free(&group);
     }
+    // ranks outside the group wait here without spinning (MPI_Barrier busy-polls, which
+    // would take the cores from the group at work)
+    MPI_Request barrier = MPI_REQUEST_NULL;
+    MPI_Ibarrier(MPI_COMM_WORLD, &barrier);
+    for (int done = 0; MPI_Test(&barrier, &done, MPI_STATUS_IGNORE), !done;)
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+
+  if (rank == 0 && !s.json.empty()) {
+    lce_bench::json_writer j;
+    j.begin_object();
+    j.field("program", "lce_bench_distributed");
+    j.field("dtype", "float32");
+    j.field("tokens", static_cast<long long>(s.tokens));
+    j.field("hidden", static_cast<long long>(s.hidden));
+    j.field("vocab", static_cast<long long>(s.vocab));
+    j.field("job_ranks", ranks);
+    j.field("cores", cores);
+    j.field("reps", s.reps);
+    j.field("blas", blas.line());
+    j.field("blas_kernels", blas.kernels);
+    j.key("results");
+    j.begin_array();
+    for (const row& r : rows) {
+      j.begin_object();
+      j.field("ranks", r.ranks);
+      j.field("threads_per_rank", r.threads);
+      j.field("mode", r.sequence_parallel ? "sequence" : "vocab");
+      j.field("chunk", static_cast<long long>(r.chunk));
+      j.field("forward_then_backward_ms", r.two_calls_ms);
+      j.field("fused_ms", r.fused_ms);
+      j.field("forward_then_backward_payload_bytes_per_token", r.payload_two);
+      j.field("forward_then_backward_wire_bytes_per_token", r.wire_two);
+      j.field("fused_payload_bytes_per_token", r.payload_fused);
+      j.field("fused_wire_bytes_per_token", r.wire_fused);
+      j.field("fused_collectives", r.collectives_fused);
+      j.field("workspace_mib", r.workspace_mib);
+      j.field("scratch_peak_mib", r.scratch_mib);
+      j.field("vm_hwm_mib", r.vm_hwm_mib);
+      j.field("mean_nll", r.mean_nll);
+      j.end_object();
+    }
+    j.end_array();
+    j.end_object();
+    if (!j.save(s.json)) std::fprintf(stderr, "cannot write %s\n", s.json.c_str()), ok = false;
+  }
+  if (rank == 0 && !s.svg.empty()) {
+    lce_bench::line_plot plot;
+    plot.title = "Bytes on the wire per token and rank, N = " + std::to_string(s.tokens) + ", H = " +
+                 std::to_string(s.hidden) + ", V = " + std::to_string(s.vocab);
+    plot.subtitle = "ring estimate of what each rank sends, counted at lce's collectives (float)";
+    plot.x_label = "ranks P", plot.y_label = "bytes per token", plot.x_log2 = true;
+    for (bool sp : {false, true})
+      for (bool fused : {false, true}) {
+        std::vector<std::pair<double, double>> points;
+        for (const row& r : rows)  // one rank: sequence parallel is vocabulary parallel (nothing on the wire)
+          if (r.sequence_parallel == sp || (sp && r.ranks == 1))
+            points.emplace_back(double(r.ranks), fused ? r.wire_fused : r.wire_two);
+        if (points.empty()) continue;
+        plot.add(std::string(sp ? "sequence parallel" : "vocabulary parallel") + (fused ? ", fused" : ", fwd + bwd"),
+                 points, !fused);
+      }
+    if (!plot.write(s.svg)) std::fprintf(stderr, "cannot write %s\n", s.svg.c_str()), ok = false;
   }
   MPI_Finalize();
   return ok ? 0 : 1;

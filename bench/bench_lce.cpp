@@ -15,13 +15,15 @@
 // one has run), so even R = 1 measures the steady state.
 //
 //   lce_bench [--hidden 512,1024,2048] [--vocab 32000,128256] [--tokens 4096,16384]
-//             [--chunk 512] [--threads 0] [--reps 2] [--quick]
+//             [--chunk 512] [--threads 0] [--reps 2] [--quick] [--shapes HxVxN,...]
+//             [--json FILE] [--markdown FILE]
 // (--chunk 0: the op's own choice from its default workspace budget; --quick: H = 512,1024
 // and N = 4096 only.) The lce calls and the GEMMs use the same thread count.
 #include <lce/host/blas_info.hpp>
 #include <lce/lce.hpp>
 
 #include "command_line.hpp"
+#include "support/json_writer.hpp"
 
 #include <cblas.h>
 
@@ -89,6 +91,8 @@ struct config {
   std::vector<std::int64_t> hidden{512, 1024, 2048}, vocab{32000, 128256}, tokens{4096, 16384};
   std::int64_t chunk = 512;
   int threads = 0, reps = 2;
+  std::string json, markdown;  // --json FILE, --markdown FILE: the results, machine-readable / as README rows
+  std::vector<std::int64_t> shapes;  // --shapes HxVxN,...: these (H, V, N) instead of the grid, flattened
 };
 
 struct column {
@@ -217,7 +221,8 @@ result run_shape(const config& cfg, std::int64_t H, std::int64_t V, std::int64_t
 void usage(const char* argv0) {
   std::fprintf(stderr,
                "usage: %s [--hidden 512,1024,2048] [--vocab 32000,128256] [--tokens 4096,16384]\n"
-               "          [--chunk 512] [--threads 0] [--reps 2] [--quick]\n"
+               "          [--chunk 512] [--threads 0] [--reps 2] [--quick] [--shapes HxVxN,...]\n"
+               "          [--json FILE] [--markdown FILE]\n"
                "--quick: H = 512,1024 and N = 4096 only; --threads 0: all hardware threads;\n"
                "--chunk 0: the chunk the op chooses from its default workspace budget\n",
                argv0);
@@ -258,6 +263,17 @@ int main(int argc, char** argv) {
     else if (arg == "--chunk") cfg.chunk = std::atoll(value.c_str());
     else if (arg == "--threads") cfg.threads = std::atoi(value.c_str());
     else if (arg == "--reps") cfg.reps = std::atoi(value.c_str());
+    else if (arg == "--json") cfg.json = value;
+    else if (arg == "--shapes") {
+      std::stringstream in(value);
+      for (std::string item; std::getline(in, item, ',');) {
+        long long h = 0, v = 0, n = 0;
+        if (std::sscanf(item.c_str(), "%lldx%lldx%lld", &h, &v, &n) != 3 || h < 1 || v < 1 || n < 1)
+          return usage(argv[0]), 2;
+        cfg.shapes.insert(cfg.shapes.end(), {h, v, n});
+      }
+    }
+    else if (arg == "--markdown") cfg.markdown = value;
     else return usage(argv[0]), 2;
   }
   if (quick && !hidden_given) cfg.hidden = {512, 1024};
@@ -290,10 +306,15 @@ int main(int argc, char** argv) {
 
   const char* names[4] = {"forward", "backward", "fwd+bwd", "fused"};
   double max_ratio[4] = {}, max_cpu_ratio[4] = {}, max_check = 0;
-  for (std::int64_t H : cfg.hidden)
-    for (std::int64_t V : cfg.vocab)
-      for (std::int64_t N : cfg.tokens) {
+  std::vector<result> results;
+  if (cfg.shapes.empty())
+    for (std::int64_t H : cfg.hidden)
+      for (std::int64_t V : cfg.vocab)
+        for (std::int64_t N : cfg.tokens) cfg.shapes.insert(cfg.shapes.end(), {H, V, N});
+  for (std::size_t shape = 0; shape + 2 < cfg.shapes.size(); shape += 3) {
+        const std::int64_t H = cfg.shapes[shape], V = cfg.shapes[shape + 1], N = cfg.shapes[shape + 2];
         const result r = run_shape(cfg, H, V, N);
+        results.push_back(r);
         const column* cols[4] = {&r.fwd, &r.bwd, &r.fwdbwd, &r.fused};
         const int width[4] = {6, 6, 10, 8};
         std::printf("| %4lld | %6lld | %5lld | %4lld |", (long long)H, (long long)V, (long long)N,
@@ -317,5 +338,71 @@ int main(int argc, char** argv) {
   std::printf("\nmax ratio lce / GEMMs (CPU): ");
   for (int k = 0; k < 4; ++k) std::printf("%s %s %.3f", k ? "," : "", names[k], max_cpu_ratio[k]);
   std::printf("\nmax fused vs two-call relative difference: %.1e\n", max_check);
+
+  const lce::blas_report blas = lce::blas_info();
+  const char* keys[4] = {"forward", "backward", "forward_then_backward", "fused"};
+  if (!cfg.json.empty()) {
+    lce_bench::json_writer j;
+    j.begin_object();
+    j.field("program", "lce_bench");
+    j.field("dtype", "float32");
+    j.field("threads", threads);
+    j.field("reps", cfg.reps);
+    j.field("isa", isa());
+    j.field("compiler", "g++ " __VERSION__);
+    j.field("blas", blas.line());
+    j.field("blas_name", blas.name);
+    j.field("blas_version", blas.version);
+    j.field("blas_kernels", blas.kernels);
+    j.field("chunk_option", static_cast<long long>(cfg.chunk));
+    j.key("results");
+    j.begin_array();
+    for (const result& r : results) {
+      j.begin_object();
+      j.field("hidden", static_cast<long long>(r.H));
+      j.field("vocab", static_cast<long long>(r.V));
+      j.field("tokens", static_cast<long long>(r.N));
+      j.field("chunk", static_cast<long long>(r.C));
+      const column* cols[4] = {&r.fwd, &r.bwd, &r.fwdbwd, &r.fused};
+      for (int k = 0; k < 4; ++k) {
+        j.key(keys[k]);
+        j.begin_object();
+        j.field("lce_wall_s", cols[k]->lce.wall);
+        j.field("lce_cpu_s", cols[k]->lce.cpu);
+        j.field("gemm_wall_s", cols[k]->gemm.wall);
+        j.field("gemm_cpu_s", cols[k]->gemm.cpu);
+        j.field("ratio", cols[k]->ratio());
+        j.field("cpu_ratio", cols[k]->cpu_ratio());
+        j.end_object();
+      }
+      j.field("gemm_gflops_nt", r.gflops_nt);
+      j.field("gemm_gflops_nn", r.gflops_nn);
+      j.field("gemm_gflops_tn", r.gflops_tn);
+      j.field("fused_vs_two_call_max_rel_diff", r.check);
+      j.end_object();
+    }
+    j.end_array();
+    j.end_object();
+    if (!j.save(cfg.json)) return std::fprintf(stderr, "cannot write %s\n", cfg.json.c_str()), 1;
+  }
+  if (!cfg.markdown.empty()) {
+    std::FILE* f = std::fopen(cfg.markdown.c_str(), "w");
+    if (!f) return std::fprintf(stderr, "cannot write %s\n", cfg.markdown.c_str()), 1;
+    std::fprintf(f, "| H | V | N | forward | backward | fwd+bwd | fused | GEMM GFLOP/s NT/NN/TN |\n"
+                    "|---:|---:|---:|---:|---:|---:|---:|---:|\n");
+    auto grouped = [](std::int64_t v) {
+      std::string digits = std::to_string(v), out;
+      for (std::size_t i = 0; i < digits.size(); ++i) {
+        if (i > 0 && (digits.size() - i) % 3 == 0) out += ',';
+        out += digits[i];
+      }
+      return out;
+    };
+    for (const result& r : results)
+      std::fprintf(f, "| %lld | %s | %s | %.3f | %.3f | %.3f | %.3f | %.0f/%.0f/%.0f |\n", (long long)r.H,
+                   grouped(r.V).c_str(), grouped(r.N).c_str(), r.fwd.ratio(), r.bwd.ratio(), r.fwdbwd.ratio(),
+                   r.fused.ratio(), r.gflops_nt, r.gflops_nn, r.gflops_tn);
+    std::fclose(f);
+  }
   return 0;
 }
