@@ -50,7 +50,7 @@ setup(
             include_dirs=include_dirs,
             library_dirs=library_dirs,
             libraries=libraries,
-            extra_compile_args=["-std=c++20", *opt, "-Wno-deprecated-declarations"],
+            extra_compile_args=["-std=c++20", *opt, "-g0", "-Wno-deprecated-declarations"],
             extra_link_args=rpath,
         )
     ],

@@ -17,6 +17,7 @@
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -178,20 +179,24 @@ struct kernels {
   using T = typename lce_type_of<TorchT>::type;
   using R = std::conditional_t<std::is_same_v<T, double>, double, float>;
 
+  // Each returns the prepared call: every local check and allocation is done
+  // (and may raise) before it returns; the call itself makes lce's one
+  // exchange with the other ranks and the sweep.
+
   // -> (logprobs, lse, entropy) shaped as targets; entropy is [0] when not asked for.
-  static std::tuple<at::Tensor, at::Tensor, at::Tensor> forward(const at::Tensor& hidden, const at::Tensor& weight,
+  static std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor>()> forward(const at::Tensor& hidden, const at::Tensor& weight,
                                                                 const at::Tensor& targets, bool with_entropy,
                                                                 const config& c);
 
   // -> (grad_hidden shaped as hidden, grad_weight [V_r, H]) in the inputs' dtype.
-  static std::tuple<at::Tensor, at::Tensor> backward(const at::Tensor& grad_logprobs,
+  static std::function<std::tuple<at::Tensor, at::Tensor>()> backward(const at::Tensor& grad_logprobs,
                                                      const std::optional<at::Tensor>& grad_entropy,
                                                      const at::Tensor& hidden, const at::Tensor& weight,
                                                      const at::Tensor& targets, const at::Tensor& lse,
                                                      const config& c);
 
   // One sweep: -> (logprobs, grad_hidden, grad_weight) for a dL/dlogprobs known up front.
-  static std::tuple<at::Tensor, at::Tensor, at::Tensor> forward_backward(const at::Tensor& hidden,
+  static std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor>()> forward_backward(const at::Tensor& hidden,
                                                                          const at::Tensor& weight,
                                                                          const at::Tensor& targets,
                                                                          const at::Tensor& grad_logprobs,
@@ -205,65 +210,67 @@ decltype(auto) with_targets(const at::Tensor& t, F&& f) {
   return f(vector_of<const std::int64_t>(t));
 }
 
+// What a prepared call holds: the operator, the views' tensors, the outputs.
 template <class TorchT>
-std::tuple<at::Tensor, at::Tensor, at::Tensor> kernels<TorchT>::forward(const at::Tensor& hidden,
-                                                                        const at::Tensor& weight,
-                                                                        const at::Tensor& targets, bool with_entropy,
-                                                                        const config& c) {
-  auto& op = operator_cache<T>::get(c);
-  workspace_release<typename operator_cache<T>::op_t> release{op};
+using op_of = typename operator_cache<typename lce_type_of<TorchT>::type>::op_t;
+
+template <class TorchT>
+std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor>()> kernels<TorchT>::forward(
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, bool with_entropy,
+    const config& c) {
+  auto* op = &operator_cache<T>::get(c);
   const rows_view x = as_rows(hidden, "hidden"), w = as_rows(weight, "weight");
   const at::Tensor y = as_vector(targets);
   const auto out = at::TensorOptions().dtype(c10::CppTypeToScalarType<R>::value);
   at::Tensor logp = at::empty(targets.sizes(), out), lse = at::empty(targets.sizes(), out);
   at::Tensor ent = with_entropy ? at::empty(targets.sizes(), out) : at::empty({0}, out);
-  with_targets(y, [&](auto ids) {
-    if (with_entropy)
-      op.forward(matrix_of<const T>(x), matrix_of<const T>(w), ids, vector_of<R>(logp), vector_of<R>(lse),
-                 vector_of<R>(ent));
-    else
-      op.forward(matrix_of<const T>(x), matrix_of<const T>(w), ids, vector_of<R>(logp), vector_of<R>(lse));
-  });
-  return {logp, lse, ent};
+  return [=]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor> {
+    workspace_release<op_of<TorchT>> release{*op};
+    with_targets(y, [&](auto ids) {
+      if (with_entropy)
+        op->forward(matrix_of<const T>(x), matrix_of<const T>(w), ids, vector_of<R>(logp), vector_of<R>(lse),
+                    vector_of<R>(ent));
+      else
+        op->forward(matrix_of<const T>(x), matrix_of<const T>(w), ids, vector_of<R>(logp), vector_of<R>(lse));
+    });
+    return {logp, lse, ent};
+  };
 }
 
 template <class TorchT>
-std::tuple<at::Tensor, at::Tensor> kernels<TorchT>::backward(const at::Tensor& grad_logprobs,
-                                                             const std::optional<at::Tensor>& grad_entropy,
-                                                             const at::Tensor& hidden, const at::Tensor& weight,
-                                                             const at::Tensor& targets, const at::Tensor& lse,
-                                                             const config& c) {
-  auto& op = operator_cache<T>::get(c);
-  workspace_release<typename operator_cache<T>::op_t> release{op};
+std::function<std::tuple<at::Tensor, at::Tensor>()> kernels<TorchT>::backward(
+    const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy, const at::Tensor& hidden,
+    const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& lse, const config& c) {
+  auto* op = &operator_cache<T>::get(c);
   const rows_view x = as_rows(hidden, "hidden"), w = as_rows(weight, "weight");
   const at::Tensor y = as_vector(targets);
   const auto rt = c10::CppTypeToScalarType<R>::value;
   const at::Tensor ls = per_token(lse, rt, y.numel(), "lse");
   const at::Tensor gl = per_token(grad_logprobs, rt, y.numel(), "grad_logprobs");
+  const bool with_entropy = grad_entropy && grad_entropy->defined();
+  const at::Tensor ge = with_entropy ? per_token(*grad_entropy, rt, y.numel(), "grad_entropy") : at::Tensor();
   at::Tensor dx = at::empty(hidden.sizes(), hidden.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor dw = at::zeros({w.rows, w.cols}, weight.options().memory_format(at::MemoryFormat::Contiguous));
   const rows_view gx = as_rows(dx, "grad_hidden"), gw = as_rows(dw, "grad_weight");
-  with_targets(y, [&](auto ids) {
-    if (grad_entropy && grad_entropy->defined()) {
-      const at::Tensor ge = per_token(*grad_entropy, rt, y.numel(), "grad_entropy");
-      op.backward(matrix_of<const T>(x), matrix_of<const T>(w), ids, vector_of<const R>(ls),
-                  vector_of<const R>(gl), vector_of<const R>(ge), matrix_of<T>(gx), matrix_of<T>(gw));
-    } else {
-      op.backward(matrix_of<const T>(x), matrix_of<const T>(w), ids, vector_of<const R>(ls),
-                  vector_of<const R>(gl), matrix_of<T>(gx), matrix_of<T>(gw));
-    }
-  });
-  return {dx, dw};
+  return [=]() -> std::tuple<at::Tensor, at::Tensor> {
+    workspace_release<op_of<TorchT>> release{*op};
+    with_targets(y, [&](auto ids) {
+      if (with_entropy)
+        op->backward(matrix_of<const T>(x), matrix_of<const T>(w), ids, vector_of<const R>(ls),
+                     vector_of<const R>(gl), vector_of<const R>(ge), matrix_of<T>(gx), matrix_of<T>(gw));
+      else
+        op->backward(matrix_of<const T>(x), matrix_of<const T>(w), ids, vector_of<const R>(ls),
+                     vector_of<const R>(gl), matrix_of<T>(gx), matrix_of<T>(gw));
+    });
+    return {dx, dw};
+  };
 }
 
 template <class TorchT>
-std::tuple<at::Tensor, at::Tensor, at::Tensor> kernels<TorchT>::forward_backward(const at::Tensor& hidden,
-                                                                                 const at::Tensor& weight,
-                                                                                 const at::Tensor& targets,
-                                                                                 const at::Tensor& grad_logprobs,
-                                                                                 const config& c) {
-  auto& op = operator_cache<T>::get(c);
-  workspace_release<typename operator_cache<T>::op_t> release{op};
+std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor>()> kernels<TorchT>::forward_backward(
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& grad_logprobs,
+    const config& c) {
+  auto* op = &operator_cache<T>::get(c);
   const rows_view x = as_rows(hidden, "hidden"), w = as_rows(weight, "weight");
   const at::Tensor y = as_vector(targets);
   const auto rt = c10::CppTypeToScalarType<R>::value;
@@ -272,11 +279,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> kernels<TorchT>::forward_backward
   at::Tensor dx = at::empty(hidden.sizes(), hidden.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor dw = at::zeros({w.rows, w.cols}, weight.options().memory_format(at::MemoryFormat::Contiguous));
   const rows_view gx = as_rows(dx, "grad_hidden"), gw = as_rows(dw, "grad_weight");
-  with_targets(y, [&](auto ids) {
-    op.forward_backward(matrix_of<const T>(x), matrix_of<const T>(w), ids, vector_of<const R>(gl),
-                        vector_of<R>(logp), matrix_of<T>(gx), matrix_of<T>(gw));
-  });
-  return {logp, dx, dw};
+  return [=]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor> {
+    workspace_release<op_of<TorchT>> release{*op};
+    with_targets(y, [&](auto ids) {
+      op->forward_backward(matrix_of<const T>(x), matrix_of<const T>(w), ids, vector_of<const R>(gl),
+                           vector_of<R>(logp), matrix_of<T>(gx), matrix_of<T>(gw));
+    });
+    return {logp, dx, dw};
+  };
 }
 
 extern template struct kernels<float>;

@@ -19,6 +19,8 @@
 #include <torch/library.h>
 
 #include <atomic>
+#include <exception>
+#include <vector>
 
 namespace lce_torch {
 
@@ -76,15 +78,54 @@ decltype(auto) dispatch(at::ScalarType t, F&& f) {
   }
 }
 
+std::int64_t dtype_code(const at::Tensor& t) { return static_cast<std::int64_t>(t.scalar_type()); }
+
+// Every local check and allocation of a call runs in `prepare` (which returns
+// the prepared lce call). With a group, the ranks then exchange their verdicts
+// and dtypes before any of them enters lce's own exchange, so a rank whose
+// arguments fail here (a dtype, a shape torch rejects, bad options) makes every
+// rank raise instead of leaving the others waiting in a collective: it gets
+// its own error, the others "lce_torch: rank r rejected its arguments".
+template <class Prepare>
+auto agreed(const config& c, const at::Tensor& hidden, Prepare&& prepare) {
+  using plan_t = decltype(prepare());
+  plan_t plan;
+  std::exception_ptr failure;
+  try {
+    plan = prepare();
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  if (c.group_name) {
+    const process_group_comm comm(*c.group_name);
+    if (comm.size() > 1) {
+      const std::int64_t mine[2] = {failure ? 0 : 1, dtype_code(hidden)};
+      std::vector<std::int64_t> all(2 * static_cast<std::size_t>(comm.size()));
+      comm.all_gather_host(mine, all.data(), 2);
+      if (failure) std::rethrow_exception(failure);
+      for (int r = 0; r < comm.size(); ++r)
+        TORCH_CHECK(all[2 * r] == 1, "lce_torch: rank ", r, " rejected its arguments");
+      for (int r = 1; r < comm.size(); ++r)
+        TORCH_CHECK_TYPE(all[2 * r + 1] == all[1], "lce_torch: hidden and weight dtypes differ across ranks: rank 0 has ",
+                         static_cast<at::ScalarType>(all[1]), ", rank ", r, " has ",
+                         static_cast<at::ScalarType>(all[2 * r + 1]), ": every rank must pass the same dtype");
+    }
+  }
+  if (failure) std::rethrow_exception(failure);
+  return plan();
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> logprobs_cpu(
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, bool with_entropy,
     std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel,
     std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name) {
-  check_inputs(hidden, weight, targets);
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                                workspace_limit_bytes, group_name);
-  return dispatch(hidden.scalar_type(), [&]<class TorchT>() {
-    return kernels<TorchT>::forward(hidden, weight, targets, with_entropy, c);
+  return agreed(c, hidden, [&] {
+    check_inputs(hidden, weight, targets);
+    return dispatch(hidden.scalar_type(), [&]<class TorchT>() {
+      return kernels<TorchT>::forward(hidden, weight, targets, with_entropy, c);
+    });
   });
 }
 
@@ -93,11 +134,13 @@ std::tuple<at::Tensor, at::Tensor> logprobs_backward_cpu(
     const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& lse, std::int64_t vocab_start,
     std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel, std::int64_t chunk_tokens,
     std::int64_t workspace_limit_bytes, std::optional<std::string> group_name) {
-  check_inputs(hidden, weight, targets);
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                                workspace_limit_bytes, group_name);
-  return dispatch(hidden.scalar_type(), [&]<class TorchT>() {
-    return kernels<TorchT>::backward(grad_logprobs, grad_entropy, hidden, weight, targets, lse, c);
+  return agreed(c, hidden, [&] {
+    check_inputs(hidden, weight, targets);
+    return dispatch(hidden.scalar_type(), [&]<class TorchT>() {
+      return kernels<TorchT>::backward(grad_logprobs, grad_entropy, hidden, weight, targets, lse, c);
+    });
   });
 }
 
@@ -105,11 +148,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logprobs_forward_backward_cpu(
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& grad_logprobs,
     std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel,
     std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name) {
-  check_inputs(hidden, weight, targets);
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                                workspace_limit_bytes, group_name);
-  return dispatch(hidden.scalar_type(), [&]<class TorchT>() {
-    return kernels<TorchT>::forward_backward(hidden, weight, targets, grad_logprobs, c);
+  return agreed(c, hidden, [&] {
+    check_inputs(hidden, weight, targets);
+    return dispatch(hidden.scalar_type(), [&]<class TorchT>() {
+      return kernels<TorchT>::forward_backward(hidden, weight, targets, grad_logprobs, c);
+    });
   });
 }
 

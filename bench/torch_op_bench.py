@@ -1,0 +1,152 @@
+#!/usr/bin/env python3
+"""lce's torch op against PyTorch, side by side in one process: forward + backward of the
+mean cross-entropy of an LM head, hidden [N, H] -> logits [N, V] -> loss.
+
+  plain         F.cross_entropy(F.linear(x, w), y)           (materialises the logits and their gradient)
+  torch_chunked F.linear_cross_entropy(x, w, y, options=torch.nn.LinearCrossEntropyOptions())
+                (PyTorch's own chunked path; loss only)
+  lce           lce_torch.linear_cross_entropy(x, w, y)       (one sweep: forward_backward, 3 GEMMs/chunk)
+  lce_2sweep    lce_torch.linear_cross_entropy(x, w, y, fused=False)
+                (forward, then the backward op: 4 GEMMs/chunk, as for log-probs with any loss)
+
+For each dtype (float32, bfloat16), vocabulary V and thread count (torch.set_num_threads,
+which lce's op follows too), the time of forward + backward (best of --reps after a
+warm-up; wall and process CPU time) and the peak extra memory: the growth of the peak RSS
+(VmHWM, reset through /proc/self/clear_refs) over the RSS before the call, less the
+gradients dX and dW every path returns. Large allocations go straight to mmap
+(MALLOC_MMAP_THRESHOLD_, set by re-executing), so freed memory leaves the RSS.
+
+  python bench/torch_op_bench.py [--hidden 1024] [--vocab 32000,128256] [--tokens 2048]
+                                 [--threads 1,2] [--dtypes float32,bfloat16] [--reps 1] [--json out.json]
+"""
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+import time
+import warnings
+
+_here = os.path.dirname(os.path.abspath(__file__))
+if not os.environ.get("LCE_BENCH_CHILD"):
+    env = dict(os.environ, LCE_BENCH_CHILD="1", MALLOC_MMAP_THRESHOLD_="65536")
+    if "OPENBLAS_CORETYPE" not in env:
+        script = os.path.join(_here, "..", "scripts", "blas-coretype.sh")
+        try:
+            core = subprocess.run([script], capture_output=True, text=True, check=True).stdout.strip()
+            if core:
+                env["OPENBLAS_CORETYPE"] = core
+        except (OSError, subprocess.CalledProcessError):
+            pass
+    os.execve(sys.executable, [sys.executable] + sys.argv, env)
+
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import lce_torch  # noqa: E402
+
+
+def rss_kb(field):
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def reset_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+VARIANTS = {
+    "plain": lambda x, w, y: F.cross_entropy(F.linear(x, w), y),
+    "torch_chunked": lambda x, w, y: F.linear_cross_entropy(x, w, y, options=torch.nn.LinearCrossEntropyOptions()),
+    "lce": lambda x, w, y: lce_torch.linear_cross_entropy(x, w, y),
+    "lce_2sweep": lambda x, w, y: lce_torch.linear_cross_entropy(x, w, y, fused=False),
+}
+
+
+def run_once(fn, x, w, y):
+    x.grad = w.grad = None
+    gc.collect()
+    reset_peak()
+    before = rss_kb("VmRSS")
+    t0, c0 = time.perf_counter(), time.process_time()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss = fn(x, w, y)
+        loss.backward()
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    peak = (rss_kb("VmHWM") - before) * 1024
+    grads = x.grad.numel() * x.grad.element_size() + w.grad.numel() * w.grad.element_size()
+    notes = sorted({str(c.message).split("\n")[0][:120] for c in caught})
+    return float(loss), wall, cpu, peak - grads, notes
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--vocab", default="32000,128256")
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--json", default="")
+    args = p.parse_args()
+
+    info = {
+        "torch": torch.__version__,
+        "blas": lce_torch.blas_info(),
+        "torch_config": [l.strip() for l in torch.__config__.show().splitlines() if "CPU capability" in l
+                         or "BLAS_INFO" in l or "MKL" in l[:40]],
+        "cpus": os.cpu_count(),
+        "load_average": os.getloadavg(),
+        "tokens": args.tokens,
+        "hidden": args.hidden,
+    }
+    print(f"torch {info['torch']}; {info['blas']}")
+    print(f"N = {args.tokens} tokens, H = {args.hidden}; best of {args.reps} after a warm-up; "
+          f"load average at start {info['load_average'][0]:.1f}")
+    results = []
+    header = (f"| dtype | V | threads | path | fwd+bwd wall s | CPU s | peak extra MiB | loss |")
+    print(header)
+    print("|---|---:|---:|---|---:|---:|---:|---:|")
+    for dtype_name in args.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        for v in [int(s) for s in args.vocab.split(",")]:
+            g = torch.Generator().manual_seed(0)
+            x = (torch.randn(args.tokens, args.hidden, generator=g)).to(dtype).requires_grad_(True)
+            w = (torch.randn(v, args.hidden, generator=g) * args.hidden**-0.5).to(dtype).requires_grad_(True)
+            y = torch.randint(0, v, (args.tokens,), generator=g)
+            small = (x[:256].detach().clone().requires_grad_(True), w, y[:256])
+            for threads in [int(s) for s in args.threads.split(",")]:
+                torch.set_num_threads(threads)
+                for name in args.variants.split(","):
+                    fn = VARIANTS[name]
+                    run_once(fn, *small)  # warm-up: lazy initialisation, thread pools
+                    best = None
+                    for _ in range(args.reps):
+                        r = run_once(fn, x, w, y)
+                        if best is None or r[1] < best[1]:
+                            best = r
+                    loss, wall, cpu, extra, notes = best
+                    row = dict(dtype=dtype_name, vocab=v, hidden=args.hidden, tokens=args.tokens, threads=threads,
+                               path=name, wall_s=wall, cpu_s=cpu, peak_extra_bytes=extra, loss=loss, notes=notes)
+                    results.append(row)
+                    note = f" ({'; '.join(notes)})" if notes else ""
+                    print(f"| {dtype_name} | {v} | {threads} | {name} | {wall:.3f} | {cpu:.3f} | "
+                          f"{extra / 2**20:.0f} | {loss:.4f} |{note}", flush=True)
+            del x, w, y, small
+            gc.collect()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"info": info, "results": results}, f, indent=1)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

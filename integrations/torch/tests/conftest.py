@@ -1,0 +1,58 @@
+import os
+import sys
+import warnings
+
+warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+import lce_torch  # noqa: E402,F401
+
+
+def reference(hidden, weight, targets, *, vocab_start=0, ignore_index=-100, temperature=1.0, softcap=0.0):
+    """Materialised float64 reference: logprobs, lse, entropy (0 where ignored), differentiable."""
+    # lce's options hold temperature and softcap as float32.
+    temperature = float(torch.tensor(temperature, dtype=torch.float32))
+    softcap = float(torch.tensor(softcap, dtype=torch.float32))
+    z = hidden.double() @ weight.double().T
+    if softcap > 0:
+        z = softcap * torch.tanh(z / softcap)
+    z = z / temperature
+    logsm = torch.log_softmax(z, dim=-1)
+    valid = targets != ignore_index
+    safe = torch.where(valid, targets - vocab_start, torch.zeros_like(targets)).long()
+    logp = torch.where(valid, logsm.gather(-1, safe.unsqueeze(-1)).squeeze(-1), torch.zeros((), dtype=z.dtype))
+    lse = torch.logsumexp(z, dim=-1)
+    ent = torch.where(valid, -(logsm.exp() * logsm).sum(-1), torch.zeros((), dtype=z.dtype))
+    return logp, lse, ent
+
+
+def make(n, h, v, dtype=torch.float32, seed=0, ignore=(), scale=1.0, shape=None, target_dtype=torch.int64):
+    g = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(n, h, generator=g, dtype=torch.float64) * scale).to(dtype)
+    weight = (torch.randn(v, h, generator=g, dtype=torch.float64) / h**0.5).to(dtype)
+    targets = torch.randint(0, v, (n,), generator=g)
+    for i in ignore:
+        targets[i] = -100
+    if shape is not None:
+        hidden = hidden.reshape(*shape, h)
+        targets = targets.reshape(shape)
+    return hidden, weight, targets.to(target_dtype)
+
+
+# Tolerances of each dtype against the float64 reference (lce computes in fp32 from the
+# 2-byte values, so it is close to the reference of the rounded inputs).
+TOL = {
+    torch.float64: dict(atol=1e-10, rtol=1e-10),
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.bfloat16: dict(atol=2e-4, rtol=2e-4),
+    torch.float16: dict(atol=2e-4, rtol=2e-4),
+}
+# Gradients of 2-byte dtypes are rounded to that dtype.
+GRAD_TOL = {
+    torch.float64: dict(atol=1e-10, rtol=1e-10),
+    torch.float32: dict(atol=2e-5, rtol=2e-5),
+    torch.bfloat16: dict(atol=1e-2, rtol=1e-2),
+    torch.float16: dict(atol=2e-3, rtol=2e-3),
+}

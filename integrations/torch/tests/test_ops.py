@@ -1,0 +1,55 @@
+"""torch.library.opcheck on every lce:: op: schema, fake kernel, autograd registration,
+AOT dispatch (torch.compile's path)."""
+import pytest
+import torch
+
+from conftest import make
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+OPTS = dict(vocab_start=0, ignore_index=-100, temperature=0.9, softcap=0.0, sequence_parallel=False,
+            chunk_tokens=3, workspace_limit_bytes=1 << 20, group_name=None)
+
+
+def tensors(dtype, requires_grad, shape=None, target_dtype=torch.int64):
+    h, w, y = make(10, 16, 37, dtype, ignore=(4,), shape=shape, target_dtype=target_dtype)
+    return h.requires_grad_(requires_grad), w.requires_grad_(requires_grad), y
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_entropy", [False, True])
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck_logprobs(dtype, with_entropy, requires_grad):
+    h, w, y = tensors(dtype, requires_grad)
+    torch.library.opcheck(torch.ops.lce.logprobs.default, (h, w, y), dict(with_entropy=with_entropy, **OPTS))
+
+
+def test_opcheck_logprobs_batched_int32_softcap():
+    h, w, y = tensors(torch.float32, True, shape=(2, 5), target_dtype=torch.int32)
+    opts = dict(OPTS, softcap=3.0, chunk_tokens=0)
+    torch.library.opcheck(torch.ops.lce.logprobs.default, (h, w, y), dict(with_entropy=True, **opts))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_opcheck_logprobs_backward(dtype, with_entropy):
+    h, w, y = tensors(dtype, False)
+    _, lse, _ = torch.ops.lce.logprobs(h, w, y, **OPTS)
+    rdt = lse.dtype
+    g = torch.randn(10, dtype=rdt)
+    ge = torch.randn(10, dtype=rdt) if with_entropy else None
+    torch.library.opcheck(torch.ops.lce.logprobs_backward.default, (g, ge, h, w, y, lse), OPTS)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_opcheck_logprobs_forward_backward(dtype):
+    h, w, y = tensors(dtype, False)
+    g = torch.randn(10, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+    torch.library.opcheck(torch.ops.lce.logprobs_forward_backward.default, (h, w, y, g), OPTS)
+
+
+def test_gradient_ops_refuse_double_backward():
+    h, w, y = tensors(torch.float64, True)
+    g = torch.randn(10, dtype=torch.float64)
+    _, dx, dw = torch.ops.lce.logprobs_forward_backward(h, w, y, g)
+    with pytest.raises(NotImplementedError, match="no double backward"):
+        (dx.sum() + dw.sum()).backward()
