@@ -22,6 +22,44 @@ LCE_BEGIN_NAMESPACE
 struct host_memory {};
 struct device_memory {};
 
+// The element type a backend's GEMMs read hidden rows and dz in. The host's
+// BLAS has no 2-byte GEMM, so it widens them to the compute type; a backend
+// with mixed-precision GEMMs (cuBLAS: bf16 x bf16 accumulated in fp32) says
+// `template <class T> using gemm_operand = T;` and reads them as stored.
+template <class Backend, class T>
+struct gemm_operand_of {
+  using type = compute_t<T>;
+};
+template <class Backend, class T>
+  requires requires { typename Backend::template gemm_operand<T>; }
+struct gemm_operand_of<Backend, T> {
+  using type = typename Backend::template gemm_operand<T>;
+};
+template <class Backend, class T>
+using gemm_operand_t = typename gemm_operand_of<Backend, T>::type;
+
+// Whether the fused sweep should let the statistics pass leave exp(z - max)
+// in the logit block (one exp per logit in all: right where exp is dear, as
+// on a CPU) or recompute exp(z - lse) in the gradient pass (right where the
+// block's extra read-modify-write costs more than the exp, as on a GPU).
+template <class Backend>
+constexpr bool reuses_exp_block() {
+  if constexpr (requires { Backend::reuses_exp_block; })
+    return Backend::reuses_exp_block;
+  else
+    return true;
+}
+
+// What one pass over the targets tells the engine: a fingerprint, for the
+// ranks to agree they hold the same targets, and the extremes of the ids that
+// are not ignore_index, for the range check. A backend whose targets live
+// where the host cannot read them provides scan_targets(targets, ignore_index).
+struct target_scan {
+  std::int64_t hash = 0;
+  std::int64_t lowest = 0, highest = -1;        // over ids != ignore_index; highest < lowest: none
+  std::int64_t lowest_at = -1, highest_at = -1;  // where they are
+};
+
 // Statistics of each row of a logit block: its soft-cap applied in place, the
 // partial (max, sums, target logit) over this rank's vocabulary.
 template <class Compute, class Index>
@@ -50,7 +88,8 @@ struct finalize_args {
 // Turns a logit block into dL/dlogits in place. Rows whose target is ignored
 // become zero. With `exp_row_max` set, the block already holds exp(z - max)
 // from a keep_exp statistics pass, and only a per-row scale is left to do.
-template <class Compute, class Index>
+// Operand is the backend's GEMM operand type (gemm_operand_t).
+template <class Compute, class Index, class Operand = Compute>
 struct gradient_args {
   matrix_view<Compute> logits;             // [rows, vocab_local], soft-capped if soft_cap is enabled
   vector_view<const Index> targets;
@@ -62,6 +101,10 @@ struct gradient_args {
   const Compute* grad_entropy = nullptr;        // [rows] or null
   const Compute* mean_centred_logit = nullptr;  // [rows] E_p[z] - lse; needed with grad_entropy
   const detail::row_partial<Compute>* exp_row_max = nullptr;  // [rows] or null: see above
+  // When set, dz goes here in the backend's GEMM operand type (same ld as
+  // the logit block) and the block itself is left as it was: set only for a
+  // backend whose gemm_operand is not the compute type.
+  Operand* gradient_operand = nullptr;
 };
 
 // sum_v p (z - lse) over this rank's vocabulary, p = exp(z - lse): its
@@ -80,20 +123,21 @@ template <class B>
 concept backend =
     std::movable<B> && requires { typename B::memory_space; } &&
     requires(B& b, std::size_t bytes, void* pointer, matrix_view<const float> cmat, matrix_view<float> mat,
-             matrix_view<const bfloat16> wmat, matrix_view<bfloat16> out_half, vector_view<const double> cvec,
-             vector_view<float> vec, statistics_args<float, std::int64_t> statistics,
-             finalize_args<float, std::int32_t> finalize, gradient_args<float, std::int64_t> gradient,
-             mean_centred_logit_args<float, std::int32_t> mean_centred, const detail::row_partial<float>* gathered, detail::row_partial<float>* merged,
-             std::int64_t count, int ranks, float alpha) {
+             matrix_view<const gemm_operand_t<B, bfloat16>> operand, matrix_view<const bfloat16> wmat,
+             matrix_view<bfloat16> out_half, vector_view<const double> cvec, vector_view<float> vec,
+             statistics_args<float, std::int64_t> statistics, finalize_args<float, std::int32_t> finalize,
+             gradient_args<float, std::int64_t> gradient, mean_centred_logit_args<float, std::int32_t> mean_centred,
+             const detail::row_partial<float>* gathered, detail::row_partial<float>* merged, std::int64_t count,
+             int ranks, float alpha) {
       // Workspace: 64-byte aligned, allocated before a sweep, never inside it.
       { b.allocate(bytes) } -> std::same_as<void*>;
       b.deallocate(pointer, bytes);
       // Scratch elements of fp32 the GEMMs need to widen a 2-byte weight, for a hidden size and a vocabulary shard.
       { b.template weight_block_elements<bfloat16>(count, count) } -> std::convertible_to<std::int64_t>;
-      // logits = alpha x w^T;  dx = alpha dz w;  dw += alpha dz^T x
-      b.logits(cmat, wmat, alpha, mat, pointer);
-      b.grad_hidden(cmat, wmat, alpha, mat, pointer);
-      b.grad_weight(cmat, cmat, alpha, mat);
+      // logits = alpha x w^T;  dx = alpha dz w;  dw += alpha dz^T x  (x and dz in the GEMM operand type)
+      b.logits(operand, wmat, alpha, mat, pointer);
+      b.grad_hidden(operand, wmat, alpha, mat, pointer);
+      b.grad_weight(operand, operand, alpha, mat);
       // Element conversions and accumulations between storage and compute types.
       b.copy(cmat, out_half);
       b.copy(cvec, vec);

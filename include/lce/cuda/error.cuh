@@ -1,6 +1,6 @@
 #pragma once
-// Turning CUDA, cuBLAS and NCCL status codes into lce::error with the call
-// and its file:line (as cuCollections' CUCO_CUDA_TRY does).
+// Turning CUDA and cuBLAS status codes into lce::error with the call and its
+// file:line (as cuCollections' CUCO_CUDA_TRY does). NCCL's is in comm/nccl.cuh.
 
 #include <lce/core/config.hpp>
 #include <lce/core/error.hpp>

@@ -147,11 +147,17 @@ class engine {
 
  public:
   using Compute = compute_t<T>;
+  using Operand = gemm_operand_t<Backend, T>;
   using sweep_type = chunk_sweep<Comm, T, Backend>;
 
   engine(Comm comm, options opt, Backend backend)
       : comm_(std::move(comm)), options_(opt), backend_(std::move(backend)) {
     check_options(options_);
+    if constexpr (requires { comm_.stream() == backend_.stream(); }) {
+      expects(comm_.stream() == backend_.stream(),
+              "the communicator and the backend were given different streams: their collectives and kernels must "
+              "be ordered on one stream");
+    }
     if constexpr (fixed_chunk_policy<Chunk>) {
       expects(options_.chunk_tokens == 0 || options_.chunk_tokens == Chunk::tokens, "options.chunk_tokens = ",
               options_.chunk_tokens, " conflicts with the compile-time chunk policy fixed_chunk<", Chunk::tokens,
@@ -290,7 +296,7 @@ class engine {
     sweep_type sweep(comm_, backend_, options_, call.plan, call.workspace);
     // Without a soft-cap the statistics pass leaves exp(z - max) behind, and
     // dz = -g exp(z - lse) is a per-row rescale of it: one exp per logit.
-    const bool keep_exp = !sweep.scaling().soft_cap.enabled();
+    const bool keep_exp = reuses_exp_block<Backend>() && !sweep.scaling().soft_cap.enabled();
     sweep.run(in, [&](const auto& c) {
       sweep.forward_statistics(c, /*with_entropy=*/false, keep_exp);
       sweep.scatter_rows(c, row_logprobs, logprobs);
@@ -334,7 +340,9 @@ class engine {
     shape.hidden = hidden;
     shape.vocab_local = vocab_local;
     shape.ranks = comm_.size();
-    shape.widen_hidden = !std::same_as<T, Compute>;
+    shape.widen_hidden = !std::same_as<T, Operand>;
+    shape.operand_bytes = sizeof(Operand);
+    shape.gradient_operand_bytes = std::same_as<Operand, Compute> ? 0 : sizeof(Operand);
     shape.sequence_parallel = sequence_parallel();
     shape.storage_bytes = sizeof(T);
     shape.weight_block_elements = backend_.template weight_block_elements<T>(hidden, vocab_local);
@@ -388,11 +396,13 @@ class engine {
                         const GradWeight& grad_weight, CallChecks&& call_checks) {
     prepared_call call;
     call_record mine;
+    target_scan targets;
     std::string failure = conversion.message();
     if (failure.empty()) {
       failure = failure_of([&] {
         check_inputs(in);
         call_checks(in.targets.size);
+        targets = scan(in.targets);
         call.plan = plan_for(in.targets.size, in.hidden.cols, in.weight.rows);
         call.workspace = workspace_.reserve(backend_, call.plan.bytes, "workspace");
         if constexpr (!std::same_as<GradWeight, no_weight_gradient_t>) {
@@ -408,7 +418,7 @@ class engine {
       if (!failure.empty()) throw error(failure);
       expects(options_.vocab_start == 0, "options.vocab_start = ", options_.vocab_start,
               " on a single rank: the shard must cover the whole vocabulary [0, ", in.weight.rows, ")");
-      check_targets(in.targets, in.weight.rows, options_.ignore_index);
+      check_target_ids(targets, in.targets, in.weight.rows);
       return call;
     }
     mine.ok = failure.empty() ? 1 : 0;
@@ -423,15 +433,47 @@ class engine {
       mine.temperature_bits = float_bits(options_.temperature);
       mine.softcap_bits = float_bits(options_.softcap);
       mine.call = static_cast<std::int64_t>(kind);
-      mine.targets_hash = targets_hash(in.targets);
+      mine.targets_hash = targets.hash;
     }
     const agreed_call agreed = agreement_.agree(comm_, mine, failure);
     // Every rank holds the same targets (their hashes agree) and the same
     // layout, so every rank reaches the same verdict here.
-    check_targets(in.targets, agreement_.vocab(), options_.ignore_index);
+    check_target_ids(targets, in.targets, agreement_.vocab());
     if (agreed.chunk < call.plan.chunk)
       call.plan = plan_for(in.targets.size, in.hidden.cols, in.weight.rows, agreed.chunk);
     return call;
+  }
+
+  // The host reads the targets where they are; a backend whose memory it
+  // cannot read scans them itself (hash and extremes in one pass).
+  template <class Index>
+  static constexpr bool backend_scans_targets =
+      requires(Backend& b, const vector_view<const Index>& t) { b.scan_targets(t, std::int64_t{}); };
+
+  template <class Index>
+  target_scan scan(const vector_view<const Index>& targets) {
+    if constexpr (backend_scans_targets<Index>) {
+      return backend_.scan_targets(targets, options_.ignore_index);
+    } else {
+      target_scan result;
+      if (comm_.size() > 1) result.hash = targets_hash(targets);
+      return result;  // the range is checked id by id (check_targets)
+    }
+  }
+
+  template <class Index>
+  void check_target_ids(const target_scan& scanned, const vector_view<const Index>& targets, std::int64_t vocab) {
+    if constexpr (backend_scans_targets<Index>) {
+      const auto outside = [&](std::int64_t at, std::int64_t id) {
+        fail("targets[", at, "] = ", id, " is outside the vocabulary [0, ", vocab, ") and is not ignore_index (",
+             options_.ignore_index, ")");
+      };
+      if (scanned.highest < scanned.lowest) return;  // every target ignored
+      if (scanned.lowest < 0) outside(scanned.lowest_at, scanned.lowest);
+      if (scanned.highest >= vocab) outside(scanned.highest_at, scanned.highest);
+    } else {
+      check_targets(targets, vocab, options_.ignore_index);
+    }
   }
 
   template <class Checks>

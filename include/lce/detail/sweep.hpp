@@ -60,7 +60,7 @@ struct logit_scaling {
 // logit block map to token rows in `segments` runs of `segment_rows`: one
 // run normally; under sequence parallelism one per rank, run s starting at
 // token s * local_tokens + local_first.
-template <class T, class Compute, class Index>
+template <class T, class Compute, class Operand, class Index>
 struct chunk {
   using index = Index;
   std::int64_t ordinal = 0;         // 0, 1, ... in sweep order
@@ -69,10 +69,11 @@ struct chunk {
   int segments = 1;
   std::int64_t segment_rows = 0;
   std::int64_t local_tokens = 0;    // hidden rows per rank (sequence parallel)
-  matrix_view<const Compute> hidden;  // [rows, H] in compute type
+  matrix_view<const Operand> hidden;  // [rows, H] in the GEMMs' operand type
   matrix_view<const T> weight;        // [V_local, H]
   vector_view<const Index> targets;   // [rows]
   matrix_view<Compute> logits;        // [rows, V_local], becomes dz
+  matrix_view<Operand> dz_operand;    // dz in the GEMMs' operand type when that is not Compute, else empty
   matrix_view<Compute> grad_hidden_stage;
   void* weight_block = nullptr;
   row_partial<Compute>* partials = nullptr;  // this rank's
@@ -89,6 +90,8 @@ template <communicator Comm, storage_type T, class Backend>
 class chunk_sweep {
  public:
   using Compute = compute_t<T>;
+  using Operand = gemm_operand_t<Backend, T>;
+  static constexpr bool dz_in_own_block = !std::same_as<Operand, Compute>;
 
   chunk_sweep(const Comm& comm, Backend& backend, const options& opt, const workspace_plan<Compute>& plan,
               void* workspace)
@@ -107,7 +110,7 @@ class chunk_sweep {
     const bool sp = sequence_parallel();
     const std::int64_t chunks = (in.hidden.rows + plan_.local_chunk - 1) / plan_.local_chunk;
 
-    chunk<T, Compute, Index> c;
+    chunk<T, Compute, Operand, Index> c;
     c.weight = in.weight;
     c.weight_block = at(plan_.weight_block);
     c.partials = static_cast<row_partial<Compute>*>(at(plan_.partials));
@@ -120,12 +123,14 @@ class chunk_sweep {
     auto* const logits = static_cast<Compute*>(at(plan_.logits));
     auto* const grad_hidden_stage = static_cast<Compute*>(at(plan_.grad_hidden_stage));
     auto* const gathered_targets = static_cast<Index*>(at(plan_.targets));
+    auto* const dz_operand = static_cast<Operand*>(at(plan_.gradient_operand));
 
     for (std::int64_t first = 0; first < in.hidden.rows; first += plan_.local_chunk, ++c.ordinal) {
       c.local_first = first;
       c.segment_rows = std::min(plan_.local_chunk, in.hidden.rows - first);
       c.rows = c.segment_rows * c.segments;
       c.logits = {logits, c.rows, in.weight.rows, plan_.logits_ld};
+      if constexpr (dz_in_own_block) c.dz_operand = {dz_operand, c.rows, in.weight.rows, plan_.logits_ld};
       c.grad_hidden_stage = {grad_hidden_stage, c.rows, h, h};
       try {
         if (sp) {
@@ -136,7 +141,7 @@ class chunk_sweep {
           c.hidden = gather_hidden(in.hidden.rows_slice(first, c.segment_rows));
         } else {
           c.targets = in.targets.slice(first, c.rows);
-          c.hidden = widen_hidden(in.hidden.rows_slice(first, c.rows), static_cast<Compute*>(at(plan_.hidden_stage)));
+          c.hidden = widen_hidden(in.hidden.rows_slice(first, c.rows), static_cast<Operand*>(at(plan_.hidden_stage)));
         }
         body(c);
       } catch (const error& e) {
@@ -151,7 +156,7 @@ class chunk_sweep {
   // Logits of the chunk, their row statistics, combined over ranks, then
   // log-prob, lse and entropy per row into the chunk's row arrays.
   template <class Index>
-  void forward_statistics(const chunk<T, Compute, Index>& c, bool with_entropy, bool keep_exp) {
+  void forward_statistics(const chunk<T, Compute, Operand, Index>& c, bool with_entropy, bool keep_exp) {
     backend_.logits(c.hidden, c.weight, scaling_.logits_alpha, c.logits, c.weight_block);
     backend_.row_statistics(statistics_args<Compute, Index>{c.logits, c.targets, options_.vocab_start,
                                                             options_.ignore_index, scaling_.soft_cap, with_entropy,
@@ -172,14 +177,14 @@ class chunk_sweep {
 
   // The chunk's logits again (backward), soft-capped and tempered.
   template <class Index>
-  void recompute_logits(const chunk<T, Compute, Index>& c) {
+  void recompute_logits(const chunk<T, Compute, Operand, Index>& c) {
     backend_.logits(c.hidden, c.weight, scaling_.logits_alpha, c.logits, c.weight_block);
     if (scaling_.soft_cap.enabled()) backend_.soft_cap(c.logits, scaling_.soft_cap);
   }
 
   template <class Index>
-  gradient_args<Compute, Index> gradient_base(const chunk<T, Compute, Index>& c) const {
-    gradient_args<Compute, Index> args;
+  gradient_args<Compute, Index, Operand> gradient_base(const chunk<T, Compute, Operand, Index>& c) const {
+    gradient_args<Compute, Index, Operand> args;
     args.logits = c.logits;
     args.targets = c.targets;
     args.vocab_start = options_.vocab_start;
@@ -187,18 +192,19 @@ class chunk_sweep {
     args.soft_cap = scaling_.soft_cap;
     args.lse = c.row(row_lse);
     args.grad_logprobs = c.row(row_grad_logprobs);
+    if constexpr (dz_in_own_block) args.gradient_operand = c.dz_operand.data;
     return args;
   }
 
   // Per-token values between the caller's [N] vectors and the chunk's row arrays.
   template <class Index, class Element>
-  void gather_rows(const chunk<T, Compute, Index>& c, vector_view<const Element> source, row_array which) {
+  void gather_rows(const chunk<T, Compute, Operand, Index>& c, vector_view<const Element> source, row_array which) {
     for (int s = 0; s < c.segments; ++s)
       backend_.copy(source.slice(c.token_of_segment(s), c.segment_rows),
                     vector_view<Compute>{c.row(which) + s * c.segment_rows, c.segment_rows});
   }
   template <class Index, class Element>
-  void scatter_rows(const chunk<T, Compute, Index>& c, row_array which, vector_view<Element> target) {
+  void scatter_rows(const chunk<T, Compute, Operand, Index>& c, row_array which, vector_view<Element> target) {
     for (int s = 0; s < c.segments; ++s)
       backend_.copy(vector_view<const Compute>{c.row(which) + s * c.segment_rows, c.segment_rows},
                     target.slice(c.token_of_segment(s), c.segment_rows));
@@ -207,9 +213,9 @@ class chunk_sweep {
   // dz (in the logit block) -> this rank's dX rows (summed over the ranks'
   // vocabulary shards, in the compute type) and dW.
   template <class Index, class GradHidden>
-  void propagate(const chunk<T, Compute, Index>& c, const matrix_view<GradHidden>& grad_hidden,
+  void propagate(const chunk<T, Compute, Operand, Index>& c, const matrix_view<GradHidden>& grad_hidden,
                  const matrix_view<Compute>& weight_gradient) {
-    const matrix_view<const Compute> dz = c.logits;
+    const matrix_view<const Operand> dz = dz_of(c);
     const Compute alpha = scaling_.temperature_scale;
     const auto out = grad_hidden.rows_slice(c.local_first, c.segment_rows);
     if constexpr (std::same_as<GradHidden, Compute>) {
@@ -235,11 +241,18 @@ class chunk_sweep {
  private:
   void* at(std::size_t offset) const { return base_ + offset; }
 
-  matrix_view<const Compute> widen_hidden(matrix_view<const T> rows, Compute* stage) {
-    if constexpr (std::same_as<T, Compute>) {
+  // dz as the gradient GEMMs read it: its own block in the operand type, or the logit block itself.
+  template <class Index>
+  static matrix_view<const Operand> dz_of(const chunk<T, Compute, Operand, Index>& c) {
+    if constexpr (dz_in_own_block) return c.dz_operand;
+    else return c.logits;
+  }
+
+  matrix_view<const Operand> widen_hidden(matrix_view<const T> rows, Operand* stage) {
+    if constexpr (std::same_as<T, Operand>) {
       return rows;
     } else {
-      matrix_view<Compute> widened{stage, rows.rows, rows.cols, rows.cols};
+      matrix_view<Operand> widened{stage, rows.rows, rows.cols, rows.cols};
       backend_.copy(rows, widened);
       return widened;
     }
@@ -247,13 +260,13 @@ class chunk_sweep {
 
   // Sequence parallel: this rank's rows of the chunk, packed, gathered from
   // every rank in rank order, then widened.
-  matrix_view<const Compute> gather_hidden(matrix_view<const T> local) {
+  matrix_view<const Operand> gather_hidden(matrix_view<const T> local) {
     const std::int64_t h = local.cols;
     matrix_view<T> send{reinterpret_cast<T*>(base_ + plan_.hidden_send), local.rows, h, h};
     matrix_view<T> gathered{reinterpret_cast<T*>(base_ + plan_.hidden_gather), local.rows * comm_.size(), h, h};
     backend_.copy(local, send);
     comm_.all_gather_bytes(send.data, gathered.data, static_cast<std::size_t>(local.rows * h) * sizeof(T));
-    return widen_hidden(matrix_view<const T>(gathered), reinterpret_cast<Compute*>(base_ + plan_.hidden_stage));
+    return widen_hidden(matrix_view<const T>(gathered), reinterpret_cast<Operand*>(base_ + plan_.hidden_stage));
   }
 
   const Comm& comm_;

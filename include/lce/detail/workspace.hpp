@@ -46,7 +46,7 @@ struct checked_size {
 };
 
 constexpr checked_size align_up(checked_size bytes) {
-  checked_size padded = bytes + (workspace_alignment - 1);
+  checked_size padded = bytes + checked_size(workspace_alignment - 1);
   padded.value = padded.value / workspace_alignment * workspace_alignment;
   return padded;
 }
@@ -56,7 +56,9 @@ struct workspace_shape {
   std::int64_t hidden = 0;
   std::int64_t vocab_local = 0;
   int ranks = 1;
-  bool widen_hidden = false;              // T is not the compute type: hidden rows are widened per chunk
+  bool widen_hidden = false;              // T is not the GEMMs' operand type: hidden rows are widened per chunk
+  std::size_t operand_bytes = 4;          // sizeof the GEMMs' operand type (the widened hidden rows)
+  std::size_t gradient_operand_bytes = 0; // > 0: dz is also written in the GEMMs' operand type (not the compute type)
   bool sequence_parallel = false;         // hidden rows are gathered per chunk, dX reduce-scattered
   std::size_t storage_bytes = 4;          // sizeof(T)
   std::int64_t weight_block_elements = 0; // compute-type scratch to widen weight blocks
@@ -72,10 +74,10 @@ struct workspace_plan {
   std::int64_t logits_ld = 0;    // padded to whole cache lines so every row starts aligned
   std::size_t logits = 0, hidden_stage = 0, hidden_gather = 0, hidden_send = 0;
   std::size_t grad_hidden_stage = 0, grad_hidden_local = 0, weight_block = 0;
-  std::size_t partials = 0, gathered = 0, rows = 0, targets = 0;
+  std::size_t partials = 0, gathered = 0, rows = 0, targets = 0, gradient_operand = 0;
   std::size_t bytes = 0;
 
-  static constexpr std::size_t parts = 11;
+  static constexpr std::size_t parts = 12;
 
   // vocab_local rounded up to whole cache lines; INT64_MAX where that overflows.
   static constexpr std::int64_t padded_ld(std::int64_t vocab_local) {
@@ -91,7 +93,8 @@ struct workspace_plan {
     const auto ranks = static_cast<std::size_t>(shape.ranks);
     checked_size bytes = checked_size::of(padded_ld(shape.vocab_local)) * a + h * a + row_arrays * a +
                          checked_size(ranks > 1 ? 1 + ranks : 1) * sizeof(row_partial<Compute>);
-    if (shape.widen_hidden) bytes = bytes + h * a;
+    if (shape.widen_hidden) bytes = bytes + h * shape.operand_bytes;
+    bytes = bytes + checked_size::of(padded_ld(shape.vocab_local)) * shape.gradient_operand_bytes;
     if (shape.sequence_parallel) bytes = bytes + h * (2 * shape.storage_bytes) + h * a + sizeof(std::int64_t);
     return bytes;
   }
@@ -121,7 +124,7 @@ struct workspace_plan {
     };
     const checked_size none;
     plan.logits = take(c * checked_size::of(plan.logits_ld) * a);
-    plan.hidden_stage = take(shape.widen_hidden ? c * h * a : none);
+    plan.hidden_stage = take(shape.widen_hidden ? c * h * shape.operand_bytes : none);
     plan.hidden_gather = take(sp ? c * h * shape.storage_bytes : none);
     plan.hidden_send = take(sp ? c_local * h * shape.storage_bytes : none);
     plan.grad_hidden_stage = take(c * h * a);
@@ -131,6 +134,7 @@ struct workspace_plan {
     plan.gathered = take(ranks > 1 ? c * ranks * sizeof(row_partial<Compute>) : none);
     plan.rows = take(c * row_arrays * a);
     plan.targets = take(sp ? c * sizeof(std::int64_t) : none);
+    plan.gradient_operand = take(c * checked_size::of(plan.logits_ld) * shape.gradient_operand_bytes);
     expects(!offset.overflow, "workspace: a chunk of ", gathered_rows, " rows at hidden size ", shape.hidden,
             " and vocabulary shard ", shape.vocab_local, " needs more bytes than size_t holds");
     plan.bytes = offset.value;

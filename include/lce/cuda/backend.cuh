@@ -1,0 +1,324 @@
+#pragma once
+// lce::cuda_backend: the operator's arithmetic on an NVIDIA GPU (nvcc only;
+// CMake target lce::cuda).
+//
+//   lce::cuda_backend{stream}                       all work on `stream`
+//   lce::cuda_backend{stream, {.allow_tf32 = true}}  fp32 GEMMs on TF32 tensor cores
+//   lce::cuda_backend{stream, {.workspace = p, .workspace_bytes = n}}
+//                                                   scratch carved from the caller's device buffer
+//
+// Every view the operator gets holds device pointers. GEMMs run through
+// cublasGemmEx: fp32, bf16 and fp16 inputs multiply as stored and accumulate
+// in fp32 (double in double); the row passes are the kernels of
+// detail/row_kernels.cuh over core/row_math.hpp. Everything is ordered on
+// the stream; a call synchronises it once, before its sweep, to read the
+// targets' check (their range and fingerprint), and never inside the sweep.
+//
+// With 2-byte inputs, dz is rounded to the storage type before the two
+// gradient GEMMs (tensor cores take bf16 x bf16, not fp32 x bf16); the
+// products still accumulate in fp32, and a 2-byte grad_weight accumulates
+// across chunks in an fp32 buffer written once at the end.
+
+#include <lce/core/backend.hpp>
+#include <lce/core/config.hpp>
+#include <lce/core/dtypes.hpp>
+#include <lce/core/error.hpp>
+#include <lce/core/row_math.hpp>
+#include <lce/core/views.hpp>
+#include <lce/cuda/detail/cublas_gemm.cuh>
+#include <lce/cuda/detail/launch_shape.hpp>
+#include <lce/cuda/detail/row_kernels.cuh>
+#include <lce/cuda/error.cuh>
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <new>
+
+LCE_BEGIN_NAMESPACE
+
+struct cuda_backend_options {
+  // fp32 inputs: let cuBLAS use TF32 tensor cores (10-bit mantissa products).
+  bool allow_tf32 = false;
+  // A device buffer the operator's scratch is carved from instead of
+  // stream-ordered allocations (size it with the operator's workspace_bytes).
+  void* workspace = nullptr;
+  std::size_t workspace_bytes = 0;
+};
+
+class cuda_backend {
+ public:
+  using memory_space = device_memory;
+  // bf16 / fp16 rows go to the GEMMs as stored (fp32 accumulation).
+  template <class T>
+  using gemm_operand = T;
+  // dz = -g exp(z - lse) recomputed in the gradient pass costs less than a
+  // second read-modify-write of the block in the statistics pass.
+  static constexpr bool reuses_exp_block = false;
+  // cublasGemmEx counts in int.
+  static constexpr std::int64_t max_gemm_extent = INT_MAX;
+  static constexpr std::size_t alignment = 256;
+
+  explicit cuda_backend(cudaStream_t stream, cuda_backend_options opt = {})
+      : state_(std::make_unique<state>(stream, opt)) {}
+
+  cudaStream_t stream() const { return state_->stream; }
+  const cuda_backend_options& settings() const { return state_->options; }
+
+  // ---- memory --------------------------------------------------------------
+
+  void* allocate(std::size_t bytes) {
+    auto& s = *state_;
+    if (s.options.workspace) return s.carve(bytes);
+    void* pointer = nullptr;
+    const cudaError_t status = cudaMallocAsync(&pointer, bytes, s.stream);
+    if (status == cudaErrorMemoryAllocation) {
+      (void)cudaGetLastError();  // not sticky: clear it
+      throw std::bad_alloc();
+    }
+    LCE_CUDA_TRY(status);
+    return pointer;
+  }
+
+  void deallocate(void* pointer, std::size_t) noexcept {
+    auto& s = *state_;
+    if (s.options.workspace) return s.give_back(pointer);
+    (void)cudaFreeAsync(pointer, s.stream);
+  }
+
+  template <class T>
+  std::int64_t weight_block_elements(std::int64_t, std::int64_t) const {
+    return 0;
+  }
+
+  // ---- GEMMs ---------------------------------------------------------------
+
+  template <class In, class A>
+  void logits(matrix_view<const In> x, matrix_view<const In> w, A alpha, matrix_view<A> out, void*) {
+    detail::cublas::logits(handle(), state_->options.allow_tf32, x, w, alpha, out);
+  }
+
+  template <class In, class A>
+  void grad_hidden(matrix_view<const In> dz, matrix_view<const In> w, A alpha, matrix_view<A> dx, void*) {
+    detail::cublas::grad_hidden(handle(), state_->options.allow_tf32, dz, w, alpha, dx);
+  }
+
+  template <class In, class A>
+  void grad_weight(matrix_view<const In> dz, matrix_view<const In> x, A alpha, matrix_view<A> dw) {
+    detail::cublas::grad_weight(handle(), state_->options.allow_tf32, dz, x, alpha, dw);
+  }
+
+  // ---- element conversions -------------------------------------------------
+
+  template <class From, class To>
+  void copy(matrix_view<From> source, matrix_view<To> target) {
+    convert<std::remove_const_t<From>, To, false>(source, target);
+  }
+
+  template <class From, class To>
+  void copy(vector_view<From> source, vector_view<To> target) {
+    using F = std::remove_const_t<From>;
+    convert<F, To, false>(matrix_view<const F>{source.data, 1, source.size, source.size},
+                          matrix_view<To>{target.data, 1, target.size, target.size});
+  }
+
+  template <class From, class To>
+  void add(matrix_view<From> source, matrix_view<To> target) {
+    convert<std::remove_const_t<From>, To, true>(source, target);
+  }
+
+  template <class A>
+  void fill_zero(matrix_view<A> target) {
+    const auto tiles = detail::cuda_launch::element_tiles(target.rows, target.cols);
+    if (tiles.count == 0) return;
+    detail::cuda_kernels::fill_zero_kernel<A>
+        <<<launch_blocks(tiles.launch), tiles.launch.threads, 0, stream()>>>(target, tiles.per_row, tiles.count);
+    LCE_CUDA_TRY(cudaGetLastError());
+  }
+
+  // ---- row passes ----------------------------------------------------------
+
+  template <class A>
+  void soft_cap(matrix_view<A> logits, const detail::soft_cap_map<A>& cap) {
+    const auto tiles = detail::cuda_launch::element_tiles(logits.rows, logits.cols);
+    if (tiles.count == 0) return;
+    detail::cuda_kernels::soft_cap_kernel<A>
+        <<<launch_blocks(tiles.launch), tiles.launch.threads, 0, stream()>>>(logits, cap, tiles.per_row, tiles.count);
+    LCE_CUDA_TRY(cudaGetLastError());
+  }
+
+  template <class A, class I>
+  void row_statistics(const statistics_args<A, I>& args) {
+    const auto launch = detail::cuda_launch::one_block_per_row(args.logits.rows);
+    if (launch.blocks == 0) return;
+    const auto run = [&](auto kernel) {
+      kernel<<<launch_blocks(launch), launch.threads, 0, stream()>>>(args);
+      LCE_CUDA_TRY(cudaGetLastError());
+    };
+    const bool capped = args.soft_cap.enabled();
+    namespace k = detail::cuda_kernels;
+    if (args.with_entropy)
+      capped ? run(k::row_statistics_kernel<A, I, true, true>) : run(k::row_statistics_kernel<A, I, true, false>);
+    else
+      capped ? run(k::row_statistics_kernel<A, I, false, true>) : run(k::row_statistics_kernel<A, I, false, false>);
+  }
+
+  template <class A>
+  void merge_partials(const detail::row_partial<A>* gathered, int ranks, std::int64_t rows,
+                      detail::row_partial<A>* merged) {
+    const auto launch = detail::cuda_launch::one_thread_per_item(rows);
+    if (launch.blocks == 0) return;
+    detail::cuda_kernels::merge_partials_kernel<A>
+        <<<launch_blocks(launch), launch.threads, 0, stream()>>>(gathered, ranks, rows, merged);
+    LCE_CUDA_TRY(cudaGetLastError());
+  }
+
+  template <class A, class I>
+  void finalize_rows(const finalize_args<A, I>& args, std::int64_t rows) {
+    const auto launch = detail::cuda_launch::one_thread_per_item(rows);
+    if (launch.blocks == 0) return;
+    detail::cuda_kernels::finalize_rows_kernel<A, I><<<launch_blocks(launch), launch.threads, 0, stream()>>>(args, rows);
+    LCE_CUDA_TRY(cudaGetLastError());
+  }
+
+  template <class A, class I>
+  void mean_centred_logits(const mean_centred_logit_args<A, I>& args) {
+    const auto launch = detail::cuda_launch::one_block_per_row(args.logits.rows);
+    if (launch.blocks == 0) return;
+    detail::cuda_kernels::mean_centred_logits_kernel<A, I><<<launch_blocks(launch), launch.threads, 0, stream()>>>(args);
+    LCE_CUDA_TRY(cudaGetLastError());
+  }
+
+  template <class A, class I, class Out>
+  void logit_gradients(const gradient_args<A, I, Out>& args) {
+    const auto tiles = detail::cuda_launch::element_tiles(args.logits.rows, args.logits.cols);
+    if (tiles.count == 0) return;
+    // Without an operand block the gradient overwrites the logits in place.
+    Out* const out = args.gradient_operand ? args.gradient_operand : reinterpret_cast<Out*>(args.logits.data);
+    if (!args.gradient_operand && !std::is_same_v<Out, A>)
+      detail::fail("cuda_backend::logit_gradients: a ", sizeof(Out), "-byte operand type needs its own dz block");
+    const auto run = [&](auto kernel) {
+      kernel<<<launch_blocks(tiles.launch), tiles.launch.threads, 0, stream()>>>(args, out, tiles.per_row,
+                                                                                   tiles.count);
+      LCE_CUDA_TRY(cudaGetLastError());
+    };
+    namespace k = detail::cuda_kernels;
+    const bool capped = args.soft_cap.enabled();
+    if (args.exp_row_max) {
+      detail::expects(!capped && !args.grad_entropy,
+                      "cuda_backend::logit_gradients: exp_row_max goes with neither a soft-cap nor grad_entropy");
+      run(k::logit_gradient_kernel<A, I, Out, false, false, true>);
+    } else if (args.grad_entropy) {
+      capped ? run(k::logit_gradient_kernel<A, I, Out, true, true, false>)
+             : run(k::logit_gradient_kernel<A, I, Out, true, false, false>);
+    } else {
+      capped ? run(k::logit_gradient_kernel<A, I, Out, false, true, false>)
+             : run(k::logit_gradient_kernel<A, I, Out, false, false, false>);
+    }
+  }
+
+  // ---- targets ---------------------------------------------------------------
+
+  // Fingerprint and extremes of the target ids, read back to the host: the
+  // one synchronisation of a call, before its sweep.
+  template <class I>
+  target_scan scan_targets(const vector_view<const I>& targets, std::int64_t ignore_index) {
+    auto& s = *state_;
+    detail::cuda_kernels::target_extremes found;
+    if (targets.size > 0) {
+      detail::cuda_kernels::scan_targets_kernel<I>
+          <<<1, detail::cuda_launch::block_threads, 0, s.stream>>>(targets, ignore_index, s.scan_result);
+      LCE_CUDA_TRY(cudaGetLastError());
+      LCE_CUDA_TRY(cudaMemcpyAsync(s.scan_host, s.scan_result, sizeof found, cudaMemcpyDeviceToHost, s.stream));
+      LCE_CUDA_TRY(cudaStreamSynchronize(s.stream));
+      found = *s.scan_host;
+    }
+    target_scan scan;
+    scan.hash = static_cast<std::int64_t>(found.hash ^ static_cast<std::uint64_t>(targets.size));
+    if (found.lowest_at >= 0) {
+      scan.lowest = found.lowest;
+      scan.lowest_at = found.lowest_at;
+      scan.highest = found.highest;
+      scan.highest_at = found.highest_at;
+    }
+    return scan;
+  }
+
+ private:
+  // Owned by one backend object (moved with it, never shared): the cuBLAS
+  // handle bound to the stream, and the scan's small buffers.
+  struct state {
+    cudaStream_t stream;
+    cuda_backend_options options;
+    cublasHandle_t handle = nullptr;
+    detail::cuda_kernels::target_extremes* scan_result = nullptr;  // device
+    detail::cuda_kernels::target_extremes* scan_host = nullptr;    // pinned
+    std::size_t carved = 0;  // bytes of options.workspace in use
+    int live = 0;            // blocks carved and not given back
+
+    state(cudaStream_t s, cuda_backend_options opt) : stream(s), options(opt) {
+      try {
+        LCE_CUBLAS_TRY(cublasCreate(&handle));
+        LCE_CUBLAS_TRY(cublasSetStream(handle, stream));
+        // No split-K reductions in reduced precision: fp32 accumulation, whole.
+        LCE_CUBLAS_TRY(cublasSetMathMode(
+            handle, static_cast<cublasMath_t>(CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION)));
+        LCE_CUDA_TRY(cudaMalloc(&scan_result, sizeof *scan_result));
+        LCE_CUDA_TRY(cudaMallocHost(&scan_host, sizeof *scan_host));
+      } catch (...) {
+        release();
+        throw;
+      }
+    }
+    state(const state&) = delete;
+    state& operator=(const state&) = delete;
+    ~state() { release(); }
+
+    void release() noexcept {
+      if (handle) (void)cublasDestroy(handle);
+      if (scan_result) (void)cudaFree(scan_result);
+      if (scan_host) (void)cudaFreeHost(scan_host);
+      handle = nullptr;
+      scan_result = nullptr;
+      scan_host = nullptr;
+    }
+
+    // The caller's buffer, handed out front to back; reused once every block is back.
+    void* carve(std::size_t bytes) {
+      const std::size_t at = (carved + alignment - 1) / alignment * alignment;
+      if (at > options.workspace_bytes || bytes > options.workspace_bytes - at) throw std::bad_alloc();
+      carved = at + bytes;
+      ++live;
+      return static_cast<char*>(options.workspace) + at;
+    }
+    void give_back(void*) noexcept {
+      if (live > 0 && --live == 0) carved = 0;
+    }
+  };
+
+  cublasHandle_t handle() const { return state_->handle; }
+
+  static unsigned launch_blocks(const detail::cuda_launch::shape& launch) {
+    return static_cast<unsigned>(launch.blocks);
+  }
+
+  template <class From, class To, bool Accumulate>
+  void convert(matrix_view<const From> source, matrix_view<To> target) {
+    const auto tiles = detail::cuda_launch::element_tiles(source.rows, source.cols);
+    if (tiles.count == 0) return;
+    detail::cuda_kernels::convert_kernel<From, To, Accumulate>
+        <<<launch_blocks(tiles.launch), tiles.launch.threads, 0, stream()>>>(source, target, tiles.per_row,
+                                                                             tiles.count);
+    LCE_CUDA_TRY(cudaGetLastError());
+  }
+
+  std::unique_ptr<state> state_;
+};
+
+static_assert(backend<cuda_backend>);
+
+LCE_END_NAMESPACE

@@ -1,0 +1,314 @@
+#pragma once
+// The CUDA backend's row kernels: the row math of core/row_math.hpp (the same
+// functions the host's SIMD loops call), one logit per thread at a time.
+//
+//   row_statistics_kernel   one read of a row: soft-cap (written back), max,
+//                           sum exp, entropy term and target logit, kept per
+//                           thread as a row_partial updated online and merged
+//                           across the block with CUB by row_math's `merge`
+//   logit_gradient_kernel   one read-modify-write per logit: dz in place, or
+//                           into the GEMMs' operand block (bf16 / fp16)
+//
+// Kernels are hidden in the versioned namespace (as CUB does), so two shared
+// libraries instantiating lce never resolve to each other's kernels.
+
+#include <lce/core/backend.hpp>
+#include <lce/core/config.hpp>
+#include <lce/core/dtypes.hpp>
+#include <lce/core/row_math.hpp>
+#include <lce/core/views.hpp>
+#include <lce/cuda/detail/launch_shape.hpp>
+
+#include <cub/block/block_reduce.cuh>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#define LCE_KERNEL __global__ __attribute__((visibility("hidden")))
+
+LCE_BEGIN_NAMESPACE
+namespace detail::cuda_kernels {
+
+using cuda_launch::block_threads;
+using cuda_launch::items_per_thread;
+
+// The target's column in this shard, or -1 (ignored, or held by another rank).
+template <class I>
+__device__ __forceinline__ std::int64_t local_target(I target, std::int64_t vocab_start, std::int64_t ignore_index,
+                                                     std::int64_t cols) {
+  const auto id = static_cast<std::int64_t>(target);
+  const std::int64_t local = id - vocab_start;
+  return id != ignore_index && local >= 0 && local < cols ? local : -1;
+}
+
+// Adds one logit to a running partial, rescaling it when the maximum moves.
+template <class A, bool WithEntropy>
+__device__ __forceinline__ void accumulate(row_partial<A>& p, A z) {
+  if (z > p.max) {
+    if (p.sum_exp > A(0)) {
+      const A shift = p.max - z;  // < 0
+      const A scale = fast_exp(shift);
+      if constexpr (WithEntropy) p.sum_exp_offset = scale * (p.sum_exp_offset + shift * p.sum_exp);
+      p.sum_exp = p.sum_exp * scale + A(1);
+    } else {
+      p.sum_exp = A(1);
+      p.sum_exp_offset = A(0);
+    }
+    p.max = z;
+  } else {
+    const A shifted = z - p.max;
+    const A e = fast_exp(shifted);
+    p.sum_exp += e;
+    if constexpr (WithEntropy) p.sum_exp_offset += e * shifted;
+  }
+}
+
+template <class A>
+struct merge_partials_op {
+  __device__ __forceinline__ row_partial<A> operator()(const row_partial<A>& a, const row_partial<A>& b) const {
+    return merge(a, b);
+  }
+};
+
+template <class A, class I, bool WithEntropy, bool SoftCap>
+LCE_KERNEL void row_statistics_kernel(statistics_args<A, I> args) {
+  using reduce_partials = cub::BlockReduce<row_partial<A>, block_threads>;
+  using reduce_sums = cub::BlockReduce<A, block_threads>;
+  __shared__ union {
+    typename reduce_partials::TempStorage partials;
+    typename reduce_sums::TempStorage sums;
+  } temp;
+  __shared__ A row_max;
+
+  const std::int64_t r = blockIdx.x;
+  A* const row = args.logits.data + r * args.logits.ld;
+  const std::int64_t cols = args.logits.cols;
+  const std::int64_t target = local_target(args.targets.data[r], args.vocab_start, args.ignore_index, cols);
+
+  row_partial<A> mine;
+  for (std::int64_t j = threadIdx.x; j < cols; j += block_threads) {
+    A z = row[j];
+    if constexpr (SoftCap) {
+      z = soft_cap(z, args.soft_cap);
+      row[j] = z;
+    }
+    if (j == target) mine.target_logit = z;
+    accumulate<A, WithEntropy>(mine, z);
+  }
+  const row_partial<A> total = reduce_partials(temp.partials).Reduce(mine, merge_partials_op<A>{});
+  if (threadIdx.x == 0) {
+    args.partials[r] = total;
+    row_max = total.max;
+  }
+  if (!args.keep_exp) return;
+
+  // exp(z - max) left in the block for a gradient pass that only rescales it;
+  // the sum is taken again over exactly the values stored.
+  __syncthreads();
+  const A m = row_max;
+  A sum = 0;
+  for (std::int64_t j = threadIdx.x; j < cols; j += block_threads) {
+    const A e = fast_exp(row[j] - m);
+    row[j] = e;
+    sum += e;
+  }
+  const A total_sum = reduce_sums(temp.sums).Sum(sum);
+  if (threadIdx.x == 0) args.partials[r].sum_exp = total_sum;
+}
+
+// merged[r] = gathered[r] merged with gathered[k * rows + r], k = 1..ranks-1,
+// in rank order (each thread reads only its own row's entries, so merged may
+// be gathered itself).
+template <class A>
+LCE_KERNEL void merge_partials_kernel(const row_partial<A>* gathered, int ranks, std::int64_t rows,
+                                      row_partial<A>* merged) {
+  const std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  row_partial<A> total = gathered[r];
+  for (int k = 1; k < ranks; ++k) total = merge(total, gathered[k * rows + r]);
+  merged[r] = total;
+}
+
+template <class A, class I>
+LCE_KERNEL void finalize_rows_kernel(finalize_args<A, I> args, std::int64_t rows) {
+  const std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  const auto result = finalize(args.partials[r], static_cast<std::int64_t>(args.targets.data[r]) == args.ignore_index);
+  if (args.logprobs) args.logprobs[r] = result.logprob;
+  if (args.lse) args.lse[r] = result.lse;
+  if (args.entropy) args.entropy[r] = result.entropy;
+}
+
+// out[r] = sum_v p (z - lse): this shard's part of E_p[z] - lse.
+template <class A, class I>
+LCE_KERNEL void mean_centred_logits_kernel(mean_centred_logit_args<A, I> args) {
+  using reduce_sums = cub::BlockReduce<A, block_threads>;
+  __shared__ typename reduce_sums::TempStorage temp;
+  const std::int64_t r = blockIdx.x;
+  if (static_cast<std::int64_t>(args.targets.data[r]) == args.ignore_index) {
+    if (threadIdx.x == 0) args.out[r] = A(0);
+    return;
+  }
+  const A* const row = args.logits.data + r * args.logits.ld;
+  const A lse = args.lse[r];
+  A sum = 0;
+  for (std::int64_t j = threadIdx.x; j < args.logits.cols; j += block_threads) {
+    const A centred = row[j] - lse;
+    sum += fast_exp(centred) * centred;
+  }
+  const A total = reduce_sums(temp).Sum(sum);
+  if (threadIdx.x == 0) args.out[r] = total;
+}
+
+// dz = g (1[v = y] - p) + h p (E_p[z] - z), times the soft-cap's slope, for
+// one tile of columns of one row per block (grid-strided over the tiles).
+// FromExp: the block holds exp(z - max) (keep_exp), dz = -g exp(max - lse) e.
+template <class A, class I, class Out, bool WithEntropy, bool SoftCap, bool FromExp>
+LCE_KERNEL void logit_gradient_kernel(gradient_args<A, I, Out> args, Out* out, std::int64_t tiles_per_row,
+                                      std::int64_t tiles) {
+  const std::int64_t cols = args.logits.cols;
+  for (std::int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const std::int64_t r = tile / tiles_per_row;
+    const std::int64_t first = (tile % tiles_per_row) * cuda_launch::tile_elements;
+    const A* const row = args.logits.data + r * args.logits.ld;
+    Out* const out_row = out + r * args.logits.ld;
+    const auto id = static_cast<std::int64_t>(args.targets.data[r]);
+    const A g = args.grad_logprobs[r];
+    const A h = WithEntropy ? args.grad_entropy[r] : A(0);
+    const bool zero = id == args.ignore_index || (g == A(0) && h == A(0));
+    const std::int64_t target = local_target(id, args.vocab_start, args.ignore_index, cols);
+    const A lse = args.lse[r];
+    const A mean_centred = WithEntropy ? args.mean_centred_logit[r] : A(0);
+    A exp_scale = A(0);
+    if constexpr (FromExp) exp_scale = -g * std::exp(args.exp_row_max[r].max - lse);
+
+#pragma unroll
+    for (int k = 0; k < items_per_thread; ++k) {
+      const std::int64_t j = first + static_cast<std::int64_t>(k) * block_threads + threadIdx.x;
+      if (j >= cols) break;
+      const A z = row[j];
+      A d = A(0);
+      if (!zero) {
+        if constexpr (FromExp) {
+          d = z * exp_scale;
+        } else {
+          const A centred = z - lse;
+          const A p = fast_exp(centred);
+          d = WithEntropy ? logit_gradient(p, centred, g, h, mean_centred) : p * -g;
+          if constexpr (SoftCap) d = d * soft_cap_slope(z, args.soft_cap);
+        }
+        if (j == target) {
+          if constexpr (SoftCap && !FromExp) d += g * soft_cap_slope(z, args.soft_cap);
+          else d += g;
+        }
+      }
+      out_row[j] = convert<Out>(d);
+    }
+  }
+}
+
+template <class A>
+LCE_KERNEL void soft_cap_kernel(matrix_view<A> logits, soft_cap_map<A> cap, std::int64_t tiles_per_row,
+                                std::int64_t tiles) {
+  for (std::int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const std::int64_t r = tile / tiles_per_row;
+    const std::int64_t first = (tile % tiles_per_row) * cuda_launch::tile_elements;
+    A* const row = logits.data + r * logits.ld;
+#pragma unroll
+    for (int k = 0; k < items_per_thread; ++k) {
+      const std::int64_t j = first + static_cast<std::int64_t>(k) * block_threads + threadIdx.x;
+      if (j < logits.cols) row[j] = soft_cap(row[j], cap);
+    }
+  }
+}
+
+// target = source (Accumulate: target += source, summed in the wider type
+// and rounded once), converting element types.
+template <class From, class To, bool Accumulate>
+LCE_KERNEL void convert_kernel(matrix_view<const From> source, matrix_view<To> target, std::int64_t tiles_per_row,
+                               std::int64_t tiles) {
+  using Sum = std::conditional_t<std::is_same_v<From, double> || std::is_same_v<To, double>, double, float>;
+  for (std::int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const std::int64_t r = tile / tiles_per_row;
+    const std::int64_t first = (tile % tiles_per_row) * cuda_launch::tile_elements;
+    const From* const in = source.data + r * source.ld;
+    To* const out = target.data + r * target.ld;
+#pragma unroll
+    for (int k = 0; k < items_per_thread; ++k) {
+      const std::int64_t j = first + static_cast<std::int64_t>(k) * block_threads + threadIdx.x;
+      if (j >= source.cols) break;
+      if constexpr (Accumulate)
+        out[j] = convert<To>(convert<Sum>(out[j]) + convert<Sum>(in[j]));
+      else
+        out[j] = convert<To>(in[j]);
+    }
+  }
+}
+
+template <class A>
+LCE_KERNEL void fill_zero_kernel(matrix_view<A> target, std::int64_t tiles_per_row, std::int64_t tiles) {
+  for (std::int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const std::int64_t r = tile / tiles_per_row;
+    const std::int64_t first = (tile % tiles_per_row) * cuda_launch::tile_elements;
+    A* const out = target.data + r * target.ld;
+#pragma unroll
+    for (int k = 0; k < items_per_thread; ++k) {
+      const std::int64_t j = first + static_cast<std::int64_t>(k) * block_threads + threadIdx.x;
+      if (j < target.cols) out[j] = A(0);
+    }
+  }
+}
+
+// One pass over the targets (a single block: N ids are few next to the
+// GEMMs): a position-mixed fingerprint and the extremes of the ids that are
+// not ignore_index, for the engine's agreement and range check.
+struct target_extremes {
+  std::uint64_t hash = 0;
+  std::int64_t lowest = INT64_MAX, lowest_at = -1;
+  std::int64_t highest = INT64_MIN, highest_at = -1;
+};
+
+struct combine_extremes {
+  __device__ __forceinline__ target_extremes operator()(const target_extremes& a, const target_extremes& b) const {
+    target_extremes c;
+    c.hash = a.hash + b.hash;
+    const bool a_lower = a.lowest < b.lowest || (a.lowest == b.lowest && a.lowest_at >= 0 &&
+                                                 (b.lowest_at < 0 || a.lowest_at < b.lowest_at));
+    c.lowest = a_lower ? a.lowest : b.lowest;
+    c.lowest_at = a_lower ? a.lowest_at : b.lowest_at;
+    const bool a_higher = a.highest > b.highest || (a.highest == b.highest && a.highest_at >= 0 &&
+                                                    (b.highest_at < 0 || a.highest_at < b.highest_at));
+    c.highest = a_higher ? a.highest : b.highest;
+    c.highest_at = a_higher ? a.highest_at : b.highest_at;
+    return c;
+  }
+};
+
+LCE_HOST_DEVICE inline std::uint64_t target_fingerprint(std::int64_t position, std::int64_t id) {
+  std::uint64_t x = static_cast<std::uint64_t>(id) ^ (static_cast<std::uint64_t>(position) * 0x9E3779B97F4A7C15ull);
+  x ^= x >> 30;
+  x *= 0xBF58476D1CE4E5B9ull;
+  x ^= x >> 27;
+  x *= 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+template <class I>
+LCE_KERNEL void scan_targets_kernel(vector_view<const I> targets, std::int64_t ignore_index, target_extremes* out) {
+  using reduce = cub::BlockReduce<target_extremes, block_threads>;
+  __shared__ typename reduce::TempStorage temp;
+  target_extremes mine;
+  for (std::int64_t i = threadIdx.x; i < targets.size; i += block_threads) {
+    const auto id = static_cast<std::int64_t>(targets.data[i]);
+    mine.hash += target_fingerprint(i, id);
+    if (id == ignore_index) continue;
+    if (id < mine.lowest) mine.lowest = id, mine.lowest_at = i;
+    if (id > mine.highest) mine.highest = id, mine.highest_at = i;
+  }
+  const target_extremes total = reduce(temp).Reduce(mine, combine_extremes{});
+  if (threadIdx.x == 0) *out = total;
+}
+
+}  // namespace detail::cuda_kernels
+LCE_END_NAMESPACE

@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The GPU check, on a machine with an NVIDIA GPU and the CUDA toolkit:
+#   1. builds lce's CUDA tests and benchmark for the local GPU's architecture;
+#   2. runs the CUDA tests, then again under compute-sanitizer (memcheck, racecheck);
+#   3. runs the benchmark: N = 8,192, H = 4,096, V = 128,256 in bf16 against
+#      materialised cuBLAS logits and the bare GEMMs, and the longest sequence
+#      in a device-memory budget at H = 3,584, V = 152,064.
+# Output: the terminal, and build/gpu/gpu-check.json. Exit 77 when no GPU is found.
+#   scripts/gpu-check.sh [extra flags for lce_bench_cuda]
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+
+export PATH="/usr/local/cuda/bin:$PATH"
+if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L; then
+  echo "gpu-check: no NVIDIA GPU here (nvidia-smi finds none): nothing to check"
+  exit 77
+fi
+command -v cmake >/dev/null || "$root/scripts/install-deps.sh"
+
+build="$root/build/gpu"
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=native \
+      -DLCE_BUILD_EXAMPLES=OFF
+cmake --build "$build" -j"$(nproc)" --target lce_cuda_backend_test lce_bench_cuda
+
+echo "== CUDA tests =="
+ctest --test-dir "$build" -L cuda --output-on-failure
+
+tests="$build/tests/cuda/lce_cuda_backend_test"
+if command -v compute-sanitizer >/dev/null; then
+  echo "== CUDA tests under compute-sanitizer (memcheck, racecheck) =="
+  compute-sanitizer --tool memcheck --error-exitcode 1 "$tests"
+  compute-sanitizer --tool racecheck --error-exitcode 1 "$tests"
+else
+  echo "compute-sanitizer not found: skipped"
+fi
+
+echo "== benchmark =="
+"$build/bench/cuda/lce_bench_cuda" --json "$build/gpu-check.json" "$@"
+echo "gpu-check: done ($build/gpu-check.json)"
