@@ -57,7 +57,7 @@ MAX_JOBS=${MAX_JOBS:-2} "${pip[@]}" install -q --no-build-isolation "$root/integ
 
 # The tests import the installed package: run from elsewhere than integrations/torch (whose
 # source lce_torch/ would shadow it), with its pytest settings.
-cd "$root/build"
+mkdir -p "$root/build" && cd "$root/build"
 "$py" -c 'import lce_torch; print(lce_torch.blas_info())'
 "$venv/bin/pytest" -q -p no:cacheprovider -c "$root/integrations/torch/pyproject.toml" \
   --rootdir "$root/integrations/torch" "$root/integrations/torch/tests"

@@ -27,4 +27,5 @@ cmake --preset debug-sanitize
 cmake --build --preset debug-sanitize -j2
 ctest --preset debug-sanitize --output-on-failure -j2 -LE consumer
 
+"$root/scripts/test-torch.sh"   # lce_torch: PyTorch custom ops (installs torch==2.13.0 into build/torch-venv)
 echo "PASS: lce release + debug-sanitize builds and tests"
