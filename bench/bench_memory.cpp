@@ -194,6 +194,20 @@ measurement measure(const settings& s, const comm_type& comm, bool lce_method, s
   return m;
 }
 
+// Every layout of sgemm the steps use, with one dimension long in each position in turn:
+// OpenBLAS touches more of its own (per-thread) buffers the larger a GEMM is, up to its
+// blocking sizes, and those pages must be resident before a step is measured.
+void warm_blas() {
+  const int big = 32768, small = 768;
+  std::vector<float> a(sz(big) * small, 0.01f), b(sz(big) * small, 0.01f), c(sz(big) * small);
+  for (auto [ta, tb] : {std::pair{CblasNoTrans, CblasTrans}, {CblasNoTrans, CblasNoTrans}, {CblasTrans, CblasNoTrans}})
+    for (int position = 0; position < 3; ++position) {
+      const int m = position == 0 ? big : small, n = position == 1 ? big : small, k = position == 2 ? big : small;
+      cblas_sgemm(CblasRowMajor, ta, tb, m, n, k, 1.0f, a.data(), ta == CblasNoTrans ? k : m, b.data(),
+                  tb == CblasNoTrans ? n : k, 0.0f, c.data(), n);
+    }
+}
+
 void usage(const char* argv0) {
   std::fprintf(stderr,
                "usage: %s [--hidden 1024] [--vocab 32000,128256] [--tokens 1024,2048,4096,8192]\n"
@@ -269,8 +283,9 @@ int main(int argc, char** argv) {
 
   // Warm-up, untimed and unreported: the BLAS's and the communicator's own buffers
   // are touched once here, so the measured steps see only their own memory.
-  // (at the first vocabulary and the most tokens: OpenBLAS touches more of its buffers for
-  // larger GEMMs, up to its blocking sizes, which a vocabulary of 16K+ already reaches)
+  // (the BLAS at large shapes first; then each method at the first vocabulary and the most
+  // tokens, which also touches lce's threads' single-threaded BLAS buffers)
+  warm_blas();
   const std::int64_t warm_n = *std::max_element(s.tokens.begin(), s.tokens.end());
   if (s.run_materialised) measure(s, comm, false, s.vocab.front(), warm_n, threads);
   if (s.run_lce) measure(s, comm, true, s.vocab.front(), warm_n, threads);
@@ -353,6 +368,7 @@ int main(int argc, char** argv) {
       time.subtitle = std::to_string(threads) + " threads per rank; " + blas.name + " " + blas.version + " (" +
                       blas.kernels + " kernels)";
       time.x_label = "tokens N", time.y_label = "seconds", time.x_log2 = true;
+      int colour = 0;
       for (const char* method : {"materialised", "lce"}) {
         std::vector<std::pair<double, double>> counted, planned, seconds;
         for (const measurement& m : results)
@@ -363,9 +379,10 @@ int main(int argc, char** argv) {
           }
         if (counted.empty()) continue;
         const std::string name = std::string(method) == "lce" ? "lce (fused)" : "materialised";
-        memory.add(name + " measured", counted);
-        memory.add(name + " planned", planned, true);
-        time.add(name, seconds);
+        memory.add(name + ", measured", counted, false, colour);
+        memory.add(name + ", planned", planned, true, colour);
+        time.add(name, seconds, false, colour);
+        ++colour;
       }
       const std::string stem = s.svg + "-V" + std::to_string(v);
       if (!memory.empty() && (!memory.write(stem + "-memory.svg") || !time.write(stem + "-time.svg")))

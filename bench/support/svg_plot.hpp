@@ -27,23 +27,25 @@ struct series {
   std::string name;
   std::vector<std::pair<double, double>> points;
   bool dashed = false;
+  int colour = -1;  // index into the palette; -1: the series' own position
 };
 
 class line_plot {
  public:
   std::string title, subtitle, x_label, y_label;
   bool x_log2 = false;
-  int width = 720, height = 440;
+  int width = 760, height = 440;
 
-  void add(std::string name, std::vector<std::pair<double, double>> points, bool dashed = false) {
+  // colour: a palette index, so that e.g. a measured and a planned series share one (-1: the next)
+  void add(std::string name, std::vector<std::pair<double, double>> points, bool dashed = false, int colour = -1) {
     std::sort(points.begin(), points.end());
-    lines_.push_back({std::move(name), std::move(points), dashed});
+    lines_.push_back({std::move(name), std::move(points), dashed, colour});
   }
   bool empty() const { return lines_.empty(); }
 
   std::string svg() const {
     static const char* palette[] = {"#d62728", "#1f77b4", "#2ca02c", "#ff7f0e", "#9467bd", "#8c564b", "#17becf"};
-    const double left = 78, right = 180, top = subtitle.empty() ? 44 : 60, bottom = 56;
+    const double left = 78, right = 200, top = subtitle.empty() ? 44 : 60, bottom = 56;
     const double pw = width - left - right, ph = height - top - bottom;
     double x0 = std::numeric_limits<double>::infinity(), x1 = -x0, y0 = 0, y1 = -x0;
     std::vector<double> xs;
@@ -97,7 +99,8 @@ class line_plot {
     // lines, markers, legend
     for (std::size_t k = 0; k < lines_.size(); ++k) {
       const series& s = lines_[k];
-      const char* colour = palette[k % (sizeof palette / sizeof *palette)];
+      const std::size_t index = s.colour >= 0 ? static_cast<std::size_t>(s.colour) : k;
+      const char* colour = palette[index % (sizeof palette / sizeof *palette)];
       std::string path;
       for (auto [x, y] : s.points) {
         if (x_log2 && !(x > 0)) continue;
