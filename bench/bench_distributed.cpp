@@ -390,7 +390,7 @@ int main(int argc, char** argv) {
           if (r.sequence_parallel == sp || (sp && r.ranks == 1))
             points.emplace_back(double(r.ranks), fused ? r.wire_fused : r.wire_two);
         if (points.empty()) continue;
-        plot.add(std::string(sp ? "sequence parallel" : "vocabulary parallel") + (fused ? ", fused" : ", fwd + bwd"),
+        plot.add(std::string(sp ? "TP + SP" : "TP (vocab)") + (fused ? ", fused" : ", fwd+bwd"),
                  points, !fused);
       }
     if (!plot.write(s.svg)) std::fprintf(stderr, "cannot write %s\n", s.svg.c_str()), ok = false;
