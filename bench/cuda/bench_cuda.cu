@@ -197,11 +197,6 @@ void free_problem(problem& p) {
     cudaFree(q);
 }
 
-double input_bytes(std::int64_t n, std::int64_t h, std::int64_t v) {
-  // hidden, grad_hidden (bf16), weight, grad_weight (bf16), targets, logprobs, lse, grad_logprobs
-  return 2.0 * (2 * n * h + 2 * v * h) + 8.0 * n + 12.0 * n;
-}
-
 struct measured {
   double ms = 0, peak_mib = 0;
 };
@@ -322,6 +317,30 @@ std::int64_t longest(double budget_bytes, std::int64_t h, std::int64_t v, double
   return left <= 0 ? 0 : static_cast<std::int64_t>(left / per_token_all);
 }
 
+// Peak extra bytes of lce (the largest of its three calls) and of the materialised step at n tokens.
+void measure_peaks(std::int64_t n, std::int64_t h, std::int64_t v, cudaStream_t stream, pool_peak& peak,
+                   double& lce_bytes, double& materialised_bytes) {
+  problem q = make_problem(n, h, v, stream);
+  const lce_results r = run_lce(q, stream, peak, 1);
+  lce_bytes = std::max(std::max(r.forward.peak_mib, r.backward.peak_mib), r.fused.peak_mib) * (1 << 20);
+  materialised_bytes = run_materialised(q, stream, peak, 1).peak_mib * (1 << 20);
+  free_problem(q);
+}
+
+struct fitted {
+  std::int64_t longest_n = 0;
+  double per_token = 0;
+};
+
+// Peaks measured at n1 and n2 tokens -> fixed + per-token bytes -> the longest N in the budget.
+fitted fit(const double* peaks, std::int64_t n1, std::int64_t n2, double budget, std::int64_t h, std::int64_t v) {
+  fitted f;
+  f.per_token = std::max(0.0, (peaks[1] - peaks[0]) / static_cast<double>(n2 - n1));
+  const double fixed = peaks[0] - f.per_token * static_cast<double>(n1);
+  f.longest_n = longest(budget, h, v, fixed, f.per_token);
+  return f;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -371,21 +390,13 @@ int main(int argc, char** argv) {
               static_cast<long long>(s.fit_hidden), static_cast<long long>(s.fit_vocab));
   const std::int64_t n1 = 2048, n2 = 8192;
   double lce_peak[2], mat_peak[2];
-  for (int k = 0; k < 2; ++k) {
-    problem q = make_problem(k == 0 ? n1 : n2, s.fit_hidden, s.fit_vocab, stream);
-    const lce_results r = run_lce(q, stream, peak, 1);
-    lce_peak[k] = std::max({r.forward.peak_mib, r.backward.peak_mib, r.fused.peak_mib}) * (1 << 20);
-    mat_peak[k] = run_materialised(q, stream, peak, 1).peak_mib * (1 << 20);
-    free_problem(q);
-  }
+  for (int k = 0; k < 2; ++k)
+    measure_peaks(k == 0 ? n1 : n2, s.fit_hidden, s.fit_vocab, stream, peak, lce_peak[k], mat_peak[k]);
   const double budget = s.budget_gib * (1ull << 30);
-  const auto fit = [&](const double* peaks) {
-    const double per_token = std::max(0.0, (peaks[1] - peaks[0]) / static_cast<double>(n2 - n1));
-    const double fixed = peaks[0] - per_token * n1;
-    return std::pair{longest(budget, s.fit_hidden, s.fit_vocab, fixed, per_token), per_token};
-  };
-  const auto [lce_n, lce_per] = fit(lce_peak);
-  const auto [mat_n, mat_per] = fit(mat_peak);
+  const fitted lce_fit = fit(lce_peak, n1, n2, budget, s.fit_hidden, s.fit_vocab);
+  const fitted mat_fit = fit(mat_peak, n1, n2, budget, s.fit_hidden, s.fit_vocab);
+  const std::int64_t lce_n = lce_fit.longest_n, mat_n = mat_fit.longest_n;
+  const double lce_per = lce_fit.per_token, mat_per = mat_fit.per_token;
   std::printf("%-16s %18s %14s\n", "", "extra B/token", "longest N");
   std::printf("%-16s %18.0f %14lld\n", "lce", lce_per, static_cast<long long>(lce_n));
   std::printf("%-16s %18.0f %14lld\n", "materialised", mat_per, static_cast<long long>(mat_n));
