@@ -82,7 +82,8 @@ class ChunkedHiddenToLogprobs {
     const auto gl = failure([&] { return given(grad_logprobs, "grad_logprobs"); });
     const auto gx = failure([&] { return gradient(grad_hidden, "grad_hidden"); });
     const auto gw = failure([&] { return gradient(grad_weight, "grad_weight"); });
-    engine_.backward(failure, in, ls, gl, vector_view<const compute_type>{}, false, gx, gw);
+    engine_.backward(failure, in, ls, gl, vector_view<const compute_type>{}, false, vector_view<const compute_type>{},
+                     false, gx, gw);
   }
 
   // As above, with dL/dentropy as well.
@@ -98,7 +99,25 @@ class ChunkedHiddenToLogprobs {
     const auto ge = failure([&] { return given(grad_entropy, "grad_entropy"); });
     const auto gx = failure([&] { return gradient(grad_hidden, "grad_hidden"); });
     const auto gw = failure([&] { return gradient(grad_weight, "grad_weight"); });
-    engine_.backward(failure, in, ls, gl, ge, true, gx, gw);
+    engine_.backward(failure, in, ls, gl, ge, true, vector_view<const compute_type>{}, false, gx, gw);
+  }
+
+  // As above, with dL/dlse as well (a z-loss lambda lse^2 gives 2 lambda lse):
+  // dz gains grad_lse p. An empty grad_entropy (size 0) leaves the entropy term out.
+  template <matrix_like Hidden, matrix_like Weight, vector_like Targets, vector_like Lse, vector_like GradLogprobs,
+            vector_like GradEntropy, vector_like GradLse, matrix_like GradHidden, matrix_like GradWeight>
+  void backward(const Hidden& hidden, const Weight& weight, const Targets& targets, const Lse& lse,
+                const GradLogprobs& grad_logprobs, const GradEntropy& grad_entropy, const GradLse& grad_lse,
+                const GradHidden& grad_hidden, const GradWeight& grad_weight) {
+    detail::deferred_failure failure;
+    const auto in = failure([&] { return inputs(hidden, weight, targets); });
+    const auto ls = failure([&] { return given(lse, "lse"); });
+    const auto gl = failure([&] { return given(grad_logprobs, "grad_logprobs"); });
+    const auto ge = failure([&] { return given(grad_entropy, "grad_entropy"); });
+    const auto gz = failure([&] { return given(grad_lse, "grad_lse"); });
+    const auto gx = failure([&] { return gradient(grad_hidden, "grad_hidden"); });
+    const auto gw = failure([&] { return gradient(grad_weight, "grad_weight"); });
+    engine_.backward(failure, in, ls, gl, ge, ge.size != 0, gz, true, gx, gw);
   }
 
   // One sweep when dL/dlogprobs is known before the forward (NLL, weighted CE):
@@ -114,7 +133,30 @@ class ChunkedHiddenToLogprobs {
     const auto lp = failure([&] { return result(logprobs, "logprobs"); });
     const auto gx = failure([&] { return gradient(grad_hidden, "grad_hidden"); });
     const auto gw = failure([&] { return gradient(grad_weight, "grad_weight"); });
-    engine_.forward_backward(failure, in, gl, lp, gx, gw);
+    engine_.forward_backward(failure, in, gl, vector_view<const compute_type>{}, lp, vector_view<compute_type>{},
+                             vector_view<compute_type>{}, false, gx, gw);
+  }
+
+  // As above, also returning lse and entropy and taking dL/dentropy known
+  // before the forward (an entropy bonus with fixed coefficients, entropy
+  // logging): still one sweep of 3 GEMMs per chunk.
+  template <matrix_like Hidden, matrix_like Weight, vector_like Targets, vector_like GradLogprobs,
+            vector_like GradEntropy, vector_like Logprobs, vector_like Lse, vector_like Entropy, matrix_like GradHidden,
+            matrix_like GradWeight>
+  void forward_backward(const Hidden& hidden, const Weight& weight, const Targets& targets,
+                        const GradLogprobs& grad_logprobs, const GradEntropy& grad_entropy, const Logprobs& logprobs,
+                        const Lse& lse, const Entropy& entropy, const GradHidden& grad_hidden,
+                        const GradWeight& grad_weight) {
+    detail::deferred_failure failure;
+    const auto in = failure([&] { return inputs(hidden, weight, targets); });
+    const auto gl = failure([&] { return given(grad_logprobs, "grad_logprobs"); });
+    const auto ge = failure([&] { return given(grad_entropy, "grad_entropy"); });
+    const auto lp = failure([&] { return result(logprobs, "logprobs"); });
+    const auto ls = failure([&] { return result(lse, "lse"); });
+    const auto en = failure([&] { return result(entropy, "entropy"); });
+    const auto gx = failure([&] { return gradient(grad_hidden, "grad_hidden"); });
+    const auto gw = failure([&] { return gradient(grad_weight, "grad_weight"); });
+    engine_.forward_backward(failure, in, gl, ge, lp, ls, en, true, gx, gw);
   }
 
   // Bytes of scratch the calls above allocate for these sizes: the sweep's

@@ -83,6 +83,7 @@ struct finalize_args {
   Compute* logprobs = nullptr;  // out [rows]
   Compute* lse = nullptr;       // out [rows]
   Compute* entropy = nullptr;   // out [rows]
+  Compute* mean_centred = nullptr;  // out [rows]: E_p[z] - lse = -entropy, the entropy gradient's row term
 };
 
 // Turns a logit block into dL/dlogits in place. Rows whose target is ignored
@@ -100,6 +101,7 @@ struct gradient_args {
   const Compute* grad_logprobs = nullptr;  // [rows]
   const Compute* grad_entropy = nullptr;        // [rows] or null
   const Compute* mean_centred_logit = nullptr;  // [rows] E_p[z] - lse; needed with grad_entropy
+  const Compute* grad_lse = nullptr;            // [rows] or null: dL/dlse (a z-loss), adds grad_lse p
   const detail::row_partial<Compute>* exp_row_max = nullptr;  // [rows] or null: see above
   // When set, dz goes here in the backend's GEMM operand type (same ld as
   // the logit block) and the block itself is left as it was: set only for a

@@ -33,7 +33,10 @@ enum class call_kind : std::int64_t {
   forward_with_entropy,
   backward,
   backward_with_entropy,
-  forward_backward
+  forward_backward,
+  forward_backward_with_entropy,
+  backward_with_lse,
+  backward_with_entropy_and_lse
 };
 
 // What one rank tells the others about a call (host values).

@@ -234,21 +234,26 @@ class engine {
 
   // ---- backward ------------------------------------------------------------
 
-  template <class Index, class ElementLse, class ElementGradLogprobs, class ElementGradEntropy, class GradHidden,
-            class GradWeight>
+  // grad_entropy (with_entropy) and grad_lse (with_lse) are optional row terms.
+  template <class Index, class ElementLse, class ElementGradLogprobs, class ElementGradEntropy, class ElementGradLse,
+            class GradHidden, class GradWeight>
   void backward(const deferred_failure& conversion, const operator_inputs<T, Index>& in,
                 vector_view<const ElementLse> lse, vector_view<const ElementGradLogprobs> grad_logprobs,
                 vector_view<const ElementGradEntropy> grad_entropy, bool with_entropy,
-                matrix_view<GradHidden> grad_hidden, matrix_view<GradWeight> grad_weight) {
+                vector_view<const ElementGradLse> grad_lse, bool with_lse, matrix_view<GradHidden> grad_hidden,
+                matrix_view<GradWeight> grad_weight) {
     exclusive_call busy(busy_, "backward");
-    const auto kind = with_entropy ? call_kind::backward_with_entropy : call_kind::backward;
+    const auto kind = with_lse ? (with_entropy ? call_kind::backward_with_entropy_and_lse : call_kind::backward_with_lse)
+                               : (with_entropy ? call_kind::backward_with_entropy : call_kind::backward);
     const auto call = prepare(conversion, in, kind, grad_weight, [&](std::int64_t n) {
       check_rows(lse, "lse", n, "targets");
       check_rows(grad_logprobs, "grad_logprobs", n, "targets");
       if (with_entropy) check_rows(grad_entropy, "grad_entropy", n, "targets");
+      if (with_lse) check_rows(grad_lse, "grad_lse", n, "targets");
       check_gradients(in, grad_hidden, grad_weight);
       check_no_alias({hidden_bytes(in), weight_bytes(in), target_bytes(in), bytes_of(lse, "lse"),
-                      bytes_of(grad_logprobs, "grad_logprobs"), bytes_of(grad_entropy, "grad_entropy")},
+                      bytes_of(grad_logprobs, "grad_logprobs"), bytes_of(grad_entropy, "grad_entropy"),
+                      bytes_of(grad_lse, "grad_lse")},
                      {bytes_of(grad_hidden, "grad_hidden"), bytes_of(grad_weight, "grad_weight")});
     });
     if (in.targets.size == 0) return;
@@ -266,9 +271,11 @@ class engine {
             c.logits, c.targets, options_.ignore_index, c.row(row_lse), c.row(row_mean_centred)});
         if (comm_.size() > 1) comm_.all_reduce_sum(c.row(row_mean_centred), c.rows);
       }
+      if (with_lse) sweep.gather_rows(c, grad_lse, row_grad_lse);
       auto args = sweep.gradient_base(c);
       args.grad_entropy = with_entropy ? c.row(row_grad_entropy) : nullptr;
       args.mean_centred_logit = with_entropy ? c.row(row_mean_centred) : nullptr;
+      args.grad_lse = with_lse ? c.row(row_grad_lse) : nullptr;
       backend_.logit_gradients(args);
       sweep.propagate(c, grad_hidden, weight_gradient);
     });
@@ -277,32 +284,53 @@ class engine {
 
   // ---- forward_backward ----------------------------------------------------
 
-  template <class Index, class ElementGradLogprobs, class ElementLogprobs, class GradHidden, class GradWeight>
+  // With `with_entropy`, also lse and entropy out and dL/dentropy in: the
+  // entropy gradient's row term E_p[z] - lse is -entropy, known once the
+  // row statistics are merged, so it stays one sweep of three GEMMs.
+  template <class Index, class ElementGradLogprobs, class ElementGradEntropy, class ElementLogprobs, class ElementLse,
+            class ElementEntropy, class GradHidden, class GradWeight>
   void forward_backward(const deferred_failure& conversion, const operator_inputs<T, Index>& in,
-                        vector_view<const ElementGradLogprobs> grad_logprobs, vector_view<ElementLogprobs> logprobs,
+                        vector_view<const ElementGradLogprobs> grad_logprobs,
+                        vector_view<const ElementGradEntropy> grad_entropy, vector_view<ElementLogprobs> logprobs,
+                        vector_view<ElementLse> lse, vector_view<ElementEntropy> entropy, bool with_entropy,
                         matrix_view<GradHidden> grad_hidden, matrix_view<GradWeight> grad_weight) {
     exclusive_call busy(busy_, "forward_backward");
-    const auto call = prepare(conversion, in, call_kind::forward_backward, grad_weight, [&](std::int64_t n) {
+    const auto kind = with_entropy ? call_kind::forward_backward_with_entropy : call_kind::forward_backward;
+    const auto call = prepare(conversion, in, kind, grad_weight, [&](std::int64_t n) {
       check_rows(grad_logprobs, "grad_logprobs", n, "targets");
       check_rows(logprobs, "logprobs", n, "targets");
+      if (with_entropy) {
+        check_rows(grad_entropy, "grad_entropy", n, "targets");
+        check_rows(lse, "lse", n, "targets");
+        check_rows(entropy, "entropy", n, "targets");
+      }
       check_gradients(in, grad_hidden, grad_weight);
-      check_no_alias({hidden_bytes(in), weight_bytes(in), target_bytes(in), bytes_of(grad_logprobs, "grad_logprobs")},
-                     {bytes_of(logprobs, "logprobs"), bytes_of(grad_hidden, "grad_hidden"),
-                      bytes_of(grad_weight, "grad_weight")});
+      check_no_alias({hidden_bytes(in), weight_bytes(in), target_bytes(in), bytes_of(grad_logprobs, "grad_logprobs"),
+                      bytes_of(grad_entropy, "grad_entropy")},
+                     {bytes_of(logprobs, "logprobs"), bytes_of(lse, "lse"), bytes_of(entropy, "entropy"),
+                      bytes_of(grad_hidden, "grad_hidden"), bytes_of(grad_weight, "grad_weight")});
     });
     if (in.targets.size == 0) return;
     [[maybe_unused]] const auto backend_call = begin_backend_call();
     const auto weight_gradient = begin_weight_gradient(call, grad_weight);
     sweep_type sweep(comm_, backend_, options_, call.plan, call.workspace);
-    // Without a soft-cap the statistics pass leaves exp(z - max) behind, and
-    // dz = -g exp(z - lse) is a per-row rescale of it: one exp per logit.
-    const bool keep_exp = reuses_exp_block<Backend>() && !sweep.scaling().soft_cap.enabled();
+    // Without a soft-cap (or an entropy term) the statistics pass leaves
+    // exp(z - max) behind, and dz = -g exp(z - lse) is a per-row rescale of
+    // it: one exp per logit.
+    const bool keep_exp = reuses_exp_block<Backend>() && !sweep.scaling().soft_cap.enabled() && !with_entropy;
     sweep.run(in, [&](const auto& c) {
-      sweep.forward_statistics(c, /*with_entropy=*/false, keep_exp);
+      sweep.forward_statistics(c, with_entropy, keep_exp);
       sweep.scatter_rows(c, row_logprobs, logprobs);
       sweep.gather_rows(c, grad_logprobs, row_grad_logprobs);
       auto args = sweep.gradient_base(c);
       args.exp_row_max = keep_exp ? c.partials : nullptr;
+      if (with_entropy) {
+        sweep.scatter_rows(c, row_lse, lse);
+        sweep.scatter_rows(c, row_entropy, entropy);
+        sweep.gather_rows(c, grad_entropy, row_grad_entropy);
+        args.grad_entropy = c.row(row_grad_entropy);
+        args.mean_centred_logit = c.row(row_mean_centred);
+      }
       backend_.logit_gradients(args);
       sweep.propagate(c, grad_hidden, weight_gradient);
     });

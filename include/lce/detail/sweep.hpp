@@ -171,7 +171,8 @@ class chunk_sweep {
     }
     backend_.finalize_rows(finalize_args<Compute, Index>{merged, c.targets, options_.ignore_index,
                                                          c.row(row_logprobs), c.row(row_lse),
-                                                         with_entropy ? c.row(row_entropy) : nullptr},
+                                                         with_entropy ? c.row(row_entropy) : nullptr,
+                                                         with_entropy ? c.row(row_mean_centred) : nullptr},
                            c.rows);
   }
 

@@ -65,7 +65,16 @@ struct workspace_shape {
 };
 
 // Per-chunk arrays of one value per row, in compute type.
-enum row_array : int { row_lse, row_logprobs, row_entropy, row_grad_logprobs, row_grad_entropy, row_mean_centred, row_arrays };
+enum row_array : int {
+  row_lse,
+  row_logprobs,
+  row_entropy,
+  row_grad_logprobs,
+  row_grad_entropy,
+  row_grad_lse,
+  row_mean_centred,
+  row_arrays
+};
 
 template <class Compute>
 struct workspace_plan {

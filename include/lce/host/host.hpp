@@ -229,6 +229,7 @@ class host {
       if (args.logprobs) args.logprobs[r] = result.logprob;
       if (args.lse) args.lse[r] = result.lse;
       if (args.entropy) args.entropy[r] = result.entropy;
+      if (args.mean_centred) args.mean_centred[r] = -result.entropy;
     }
   }
 
@@ -248,16 +249,19 @@ class host {
       const std::int64_t n = args.logits.cols;
       const A g = args.grad_logprobs[r];
       const A h = args.grad_entropy ? args.grad_entropy[r] : A(0);
-      if (args.targets[r] == args.ignore_index || (g == A(0) && h == A(0))) {
+      const A q = args.grad_lse ? args.grad_lse[r] : A(0);
+      if (args.targets[r] == args.ignore_index || (g == A(0) && h == A(0) && q == A(0))) {
         detail::zero_row(row, n);
         return;
       }
       const std::int64_t target = local_target(args.targets[r], args.vocab_start, args.ignore_index, n);
       const A target_slope = target >= 0 && capped ? detail::soft_cap_slope(row[target], args.soft_cap) : A(1);
+      // dlse/dz = p, so dL/dlse joins the -g of every logit; the target keeps +g.
+      const A g_p = g - q;
       if (args.exp_row_max) {
-        detail::scale_row(row, n, -g * std::exp(args.exp_row_max[r].max - args.lse[r]));
+        detail::scale_row(row, n, -g_p * std::exp(args.exp_row_max[r].max - args.lse[r]));
       } else {
-        dispatch_gradient_row(row, n, args.lse[r], g, h, args.mean_centred_logit ? args.mean_centred_logit[r] : A(0),
+        dispatch_gradient_row(row, n, args.lse[r], g_p, h, args.mean_centred_logit ? args.mean_centred_logit[r] : A(0),
                               args.soft_cap, args.grad_entropy != nullptr, capped);
       }
       if (target >= 0) row[target] += g * target_slope;

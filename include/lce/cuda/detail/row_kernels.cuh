@@ -138,6 +138,7 @@ LCE_KERNEL void finalize_rows_kernel(finalize_args<A, I> args, std::int64_t rows
   if (args.logprobs) args.logprobs[r] = result.logprob;
   if (args.lse) args.lse[r] = result.lse;
   if (args.entropy) args.entropy[r] = result.entropy;
+  if (args.mean_centred) args.mean_centred[r] = -result.entropy;
 }
 
 // out[r] = sum_v p (z - lse): this shard's part of E_p[z] - lse.
@@ -161,7 +162,7 @@ LCE_KERNEL void mean_centred_logits_kernel(mean_centred_logit_args<A, I> args) {
   if (threadIdx.x == 0) args.out[r] = total;
 }
 
-// dz = g (1[v = y] - p) + h p (E_p[z] - z), times the soft-cap's slope, for
+// dz = g (1[v = y] - p) + h p (E_p[z] - z) + q p, times the soft-cap's slope, for
 // one tile of columns of one row per block (grid-strided over the tiles).
 // FromExp: the block holds exp(z - max) (keep_exp), dz = -g exp(max - lse) e.
 template <class A, class I, class Out, bool WithEntropy, bool SoftCap, bool FromExp>
@@ -176,12 +177,15 @@ LCE_KERNEL void logit_gradient_kernel(gradient_args<A, I, Out> args, Out* out, s
     const auto id = static_cast<std::int64_t>(args.targets.data[r]);
     const A g = args.grad_logprobs[r];
     const A h = WithEntropy ? args.grad_entropy[r] : A(0);
-    const bool zero = id == args.ignore_index || (g == A(0) && h == A(0));
+    const A q = args.grad_lse ? args.grad_lse[r] : A(0);
+    const bool zero = id == args.ignore_index || (g == A(0) && h == A(0) && q == A(0));
+    // dlse/dz = p, so dL/dlse joins the -g of every logit; the target keeps +g.
+    const A g_p = g - q;
     const std::int64_t target = local_target(id, args.vocab_start, args.ignore_index, cols);
     const A lse = args.lse[r];
     const A mean_centred = WithEntropy ? args.mean_centred_logit[r] : A(0);
     A exp_scale = A(0);
-    if constexpr (FromExp) exp_scale = -g * std::exp(args.exp_row_max[r].max - lse);
+    if constexpr (FromExp) exp_scale = -g_p * std::exp(args.exp_row_max[r].max - lse);
 
 #pragma unroll
     for (int k = 0; k < items_per_thread; ++k) {
@@ -195,7 +199,7 @@ LCE_KERNEL void logit_gradient_kernel(gradient_args<A, I, Out> args, Out* out, s
         } else {
           const A centred = z - lse;
           const A p = fast_exp(centred);
-          d = WithEntropy ? logit_gradient(p, centred, g, h, mean_centred) : p * -g;
+          d = WithEntropy ? logit_gradient(p, centred, g_p, h, mean_centred) : p * -g_p;
           if constexpr (SoftCap) d = d * soft_cap_slope(z, args.soft_cap);
         }
         if (j == target) {
