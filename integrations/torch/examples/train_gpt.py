@@ -5,9 +5,10 @@ from the same initial weights on the same batches.
 
     python integrations/torch/examples/train_gpt.py [--steps 300] [--svg train_gpt.svg]
 
-The corpus is synthetic: sequences of a random order-2 Markov chain over the vocabulary
-(each pair of tokens allows a few next tokens, with Zipf-like probabilities), so the loss
-falls from log(V) towards the chain's entropy. Prints the loss of both runs every 25
+The corpus is synthetic: a random Markov chain over the vocabulary (each token allows 4
+next tokens, with probabilities 1/k normalised), so the loss falls from about log(V)
+towards the chain's entropy (1.24 nats). lce runs with an 8 MiB workspace limit, so its
+chunk of logits stays below what the materialised path holds. Prints the loss of both runs every 25
 steps, the largest step-by-step difference (the run fails if it exceeds --tolerance),
 the peak memory of the loss step (LM head + loss, forward and backward) of each, and
 writes an SVG plot of both curves and their difference.
@@ -76,26 +77,24 @@ def materialised_loss(h, w, y):
 
 
 def lce_loss(h, w, y):
-    return lce_torch.linear_cross_entropy(h, w, y)
+    return lce_torch.linear_cross_entropy(h, w, y, workspace_limit_bytes=8 << 20)
 
 
 # ---- data -------------------------------------------------------------------------
 
 
 def markov_corpus(vocab, tokens, branching, seed):
-    """Token ids of an order-2 Markov chain: the pair (a, b) hashes to one of 65,536
-    rows of `branching` possible next ids, picked with probabilities 1/k (normalised)."""
+    """Token ids of a Markov chain: after token b comes one of `branching` ids of row b of a
+    random table, the k-th with probability proportional to 1/k."""
     g = torch.Generator().manual_seed(seed)
-    rows = 1 << 16
-    table = torch.randint(0, vocab, (rows, branching), generator=g).tolist()
+    table = torch.randint(0, vocab, (vocab, branching), generator=g).tolist()
     probs = 1.0 / torch.arange(1, branching + 1, dtype=torch.float64)
     choice = torch.multinomial(probs / probs.sum(), tokens, replacement=True, generator=g).tolist()
     out = [0] * tokens
-    a, b = 0, 1
+    b = 0
     for i in range(tokens):
-        c = table[(a * 40503 + b) % rows][choice[i]]
-        out[i] = c
-        a, b = b, c
+        b = table[b][choice[i]]
+        out[i] = b
     return torch.tensor(out, dtype=torch.long)
 
 
@@ -172,7 +171,7 @@ def train(loss_fn, args, corpus):
 
 def svg_plot(path, curves, diff, title):
     """Two panels written by hand: the loss curves, and |difference| on a log scale."""
-    width, height, pad = 760, 520, 60
+    width, height, pad = 760, 550, 60
     top_h, bottom_h = 280, 120
     steps = len(next(iter(curves.values())))
     lo = min(min(c) for c in curves.values())
@@ -231,16 +230,16 @@ def svg_plot(path, curves, diff, title):
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--vocab", type=int, default=8192)
-    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=4096)
+    p.add_argument("--dim", type=int, default=64)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--context", type=int, default=32)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--tolerance", type=float, default=2e-3,
+    p.add_argument("--tolerance", type=float, default=1e-4,
                    help="largest allowed |loss_lce - loss_materialised| at any step")
     p.add_argument("--svg", default="train_gpt.svg")
     args = p.parse_args()
