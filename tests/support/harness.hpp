@@ -375,13 +375,18 @@ outputs<T, G> exercise(Op& op, const problem& p, const std::vector<double>& g, c
 }
 
 // All outputs of an exercise against the reference (base tolerance of T,
-// plus an ulp of G for results stored as G).
+// plus an ulp of G for results stored as G; plus, for a backend that rounds
+// dz to a narrower operand type before the gradient GEMMs, the bound of
+// reference_operand_rounding_bounds for that type's unit roundoff and floor).
 template <class T, class G>
 void check_against_reference(const outputs<T, G>& o, const problem& p, const std::vector<double>& g,
-                             const std::vector<double>& hg, const std::vector<double>& prefill) {
+                             const std::vector<double>& hg, const std::vector<double>& prefill,
+                             double operand_unit = 0.0, double operand_floor = 0.0) {
   const auto ref = reference_forward(p);
   const auto gr = reference_backward(p, ref, g, hg);
   const auto gr_fb = reference_backward(p, ref, g, {});
+  const auto rb = reference_operand_rounding_bounds(p, ref, g, hg, operand_unit, operand_floor);
+  const auto rb_fb = reference_operand_rounding_bounds(p, ref, g, {}, operand_unit, operand_floor);
   const double bt = base_tol<T>();
   const double gbt = (std::is_same_v<T, double> && std::is_same_v<G, double>) ? 1e-10 : 1e-5;
   auto cmp_vec = [&](const char* what, const auto& buf, const std::vector<real>& want, bool zero_ignored) {
@@ -395,17 +400,17 @@ void check_against_reference(const outputs<T, G>& o, const problem& p, const std
   LCE_CHECK_CMP(cmp_vec("entropy", o.ent, ref.ent, true));
   LCE_CHECK_CMP(cmp_vec("forward_backward logprobs", o.lp_fb, ref.logp, true));
   auto cmp_mat = [&](const char* what, const matrix_buf<G>& m, const std::vector<double>& want,
-                     const std::vector<double>* pre) {
+                     const std::vector<double>* pre, const std::vector<double>& rounding) {
     const double s = gbt * std::max(1.0, max_abs(want));
     return compare(
         what, m.rows * m.cols, [&](std::int64_t k) { return m.get(k / m.cols, k % m.cols); },
         [&](std::int64_t k) { return want[k] + (pre ? (*pre)[k] : 0.0); },
-        [&](std::int64_t k, double w) { return s + ulp_of<G>(w) + ulp_of<G>(want[k]); });
+        [&](std::int64_t k, double w) { return s + ulp_of<G>(w) + ulp_of<G>(want[k]) + rounding[k]; });
   };
-  LCE_CHECK_CMP(cmp_mat("backward grad_hidden", o.gh, gr.dx, nullptr));
-  LCE_CHECK_CMP(cmp_mat("backward grad_weight", o.gw, gr.dw, &prefill));
-  LCE_CHECK_CMP(cmp_mat("forward_backward grad_hidden", o.gh_fb, gr_fb.dx, nullptr));
-  LCE_CHECK_CMP(cmp_mat("forward_backward grad_weight", o.gw_fb, gr_fb.dw, &prefill));
+  LCE_CHECK_CMP(cmp_mat("backward grad_hidden", o.gh, gr.dx, nullptr, rb.dx));
+  LCE_CHECK_CMP(cmp_mat("backward grad_weight", o.gw, gr.dw, &prefill, rb.dw));
+  LCE_CHECK_CMP(cmp_mat("forward_backward grad_hidden", o.gh_fb, gr_fb.dx, nullptr, rb_fb.dx));
+  LCE_CHECK_CMP(cmp_mat("forward_backward grad_weight", o.gw_fb, gr_fb.dw, &prefill, rb_fb.dw));
 }
 
 // Element-wise closeness of two exercises (e.g. different chunk sizes).

@@ -234,6 +234,58 @@ inline gradients reference_backward(const problem& p, const forward_result& r, c
   return out;
 }
 
+// How much rounding the gradient GEMMs' operand to a narrower type may move
+// dX and dW, element by element (for a backend that, like lce::cuda_backend
+// with 2-byte inputs, stores dz in T before the two gradient GEMMs).
+//
+// The backend's operand is o[i,v] = tau * dS[i,v] (dz times the soft-cap's
+// slope; the GEMMs' alpha is 1/tau). Round-to-nearest into T stores
+// o (1 + d) + e with |d| <= unit (2^-8 bf16, 2^-11 fp16: half an ulp,
+// relative) and |e| <= floor (half the subnormal spacing, where the relative
+// bound stops holding: 2^-25 fp16, 2^-134 bf16). Through the exact products
+// and fp32 sums of the GEMMs that moves
+//   dX[i,k] by at most  sum_v (unit |dS[i,v]| + floor / tau) |W[v,k]|
+//   dW[v,k] by at most  sum_i (unit |dS[i,v]| + floor / tau) |X[i,k]|
+// (the rest of the error, the fp32 arithmetic, stays in the base tolerance;
+// the backend rounds its own fp32 dz, within ~1e-6 relative of dS, which
+// the factor 1.01 below covers). A product of a T operand with T rows is
+// exact in fp32, so this is the whole difference from the host's path.
+struct operand_rounding_bounds {
+  std::vector<double> dx;  // [n, h]
+  std::vector<double> dw;  // [v, h]
+};
+
+inline operand_rounding_bounds reference_operand_rounding_bounds(const problem& p, const forward_result& r,
+                                                                 const std::vector<double>& g,
+                                                                 const std::vector<double>& hg, double unit,
+                                                                 double floor) {
+  operand_rounding_bounds out;
+  out.dx.assign(static_cast<std::size_t>(p.n * p.h), 0.0);
+  out.dw.assign(static_cast<std::size_t>(p.v * p.h), 0.0);
+  if (unit == 0 && floor == 0) return out;
+  std::vector<double> moved(static_cast<std::size_t>(p.v));
+  for (std::int64_t i = 0; i < p.n; ++i) {
+    if (p.ignored(i)) continue;  // the backend writes exact zeros there
+    const real* z = &r.z[i * p.v];
+    real ez = 0;
+    for (std::int64_t j = 0; j < p.v; ++j) ez += std::exp(z[j] - r.lse[i]) * z[j];
+    const real gi = g[i];
+    const real hi = hg.empty() ? 0 : static_cast<real>(hg[i]);
+    for (std::int64_t j = 0; j < p.v; ++j) {
+      const real pr = std::exp(z[j] - r.lse[i]);
+      const real dz = gi * ((j == p.y[i] ? 1 : 0) - pr) + hi * pr * (ez - z[j]);
+      const double ds = std::fabs(static_cast<double>(dz * r.dzds[i * p.v + j]));
+      moved[static_cast<std::size_t>(j)] = 1.01 * (unit * ds + floor / static_cast<double>(p.tau));
+    }
+    for (std::int64_t j = 0; j < p.v; ++j)
+      for (std::int64_t k = 0; k < p.h; ++k) {
+        out.dx[i * p.h + k] += moved[j] * std::fabs(p.w[j * p.h + k]);
+        out.dw[j * p.h + k] += moved[j] * std::fabs(p.x[i * p.h + k]);
+      }
+  }
+  return out;
+}
+
 // L = sum_i g_i logp_i + hg_i ent_i on the reference forward.
 inline real reference_objective(const problem& p, const std::vector<double>& g, const std::vector<double>& hg) {
   const auto r = reference_forward(p);
