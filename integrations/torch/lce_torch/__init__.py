@@ -108,13 +108,16 @@ class _FusedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_hidden, grad_weight = ctx.saved_tensors
-        g = grad_loss.to(torch.float32 if grad_hidden.dtype != torch.float64 else torch.float64)
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
+        g = grad_loss.to(torch.float64 if grad_hidden.dtype == torch.float64 else torch.float32)
+        if not torch.compiler.is_compiling() and bool(g == 1):
+            # loss.backward(): the stored gradients as they are, no second [V, H] buffer
+            # (autograd takes them over as .grad once the graph is freed).
+            dx, dw = grad_hidden, grad_weight
+        else:
             dx = (grad_hidden * g).to(grad_hidden.dtype)
-        if ctx.needs_input_grad[1]:
             dw = (grad_weight * g).to(grad_weight.dtype)
-        return dx, dw, None, None, None, None
+        return (dx if ctx.needs_input_grad[0] else None, dw if ctx.needs_input_grad[1] else None,
+                None, None, None, None)
 
 
 def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weight=None, reduction="mean",

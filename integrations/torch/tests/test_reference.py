@@ -188,3 +188,18 @@ def test_large_logits_finite():
     rl, _, rent = reference(h, w, y)
     assert torch.isfinite(logp).all() and torch.isfinite(ent).all()
     torch.testing.assert_close(logp.double(), rl, atol=1e-2, rtol=1e-5)
+
+
+def test_fused_cross_entropy_scaled_and_retain_graph():
+    """The fused path scales its stored gradients by the incoming gradient (and hands them
+    over as they are for a gradient of 1); backward twice through a retained graph works."""
+    h, w, y = make(16, 8, 40, torch.float64)
+    for scale in (3.5, 1.0):
+        h1, w1 = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        loss = scale * lce_torch.linear_cross_entropy(h1, w1, y)
+        loss.backward(retain_graph=True)
+        loss.backward()
+        h2, w2 = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        (2 * scale * F.cross_entropy(F.linear(h2, w2), y)).backward()
+        torch.testing.assert_close(h1.grad, h2.grad, atol=1e-12, rtol=1e-10)
+        torch.testing.assert_close(w1.grad, w2.grad, atol=1e-12, rtol=1e-10)
