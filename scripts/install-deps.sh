@@ -3,7 +3,8 @@
 # Idempotent: does nothing (not even apt-get update) when all are present.
 set -euo pipefail
 
-packages=(cmake g++ make pkg-config libopenblas-dev doctest-dev libopenmpi-dev openmpi-bin libeigen3-dev)
+# libdnnl-dev: oneDNN, for bfloat16 GEMMs on the CPU's bf16 instructions (LCE_BF16_GEMM=auto|onednn).
+packages=(cmake g++ make pkg-config libopenblas-dev doctest-dev libopenmpi-dev openmpi-bin libeigen3-dev libdnnl-dev)
 
 missing=()
 for p in "${packages[@]}"; do

@@ -20,6 +20,9 @@
 // not include it.
 
 #include <lce/core/config.hpp>
+#ifdef LCE_BF16_GEMM_ONEDNN
+#include <lce/host/detail/onednn_gemm.hpp>
+#endif
 
 #include <strings.h>
 
@@ -90,6 +93,11 @@ struct blas_report {
   bool coretype_settable = false;  // OpenBLAS built DYNAMIC_ARCH: OPENBLAS_CORETYPE takes effect
   std::string coretype_env;        // OPENBLAS_CORETYPE in this process's environment ("" if unset)
   bool coretype_from_reexec = false; // set by lce::reexec_with_fast_blas before this run
+
+  // What runs the host backend's GEMMs for a bfloat16 weight (LCE_BF16_GEMM): "oneDNN
+  // 2.6.3, brg:avx512_core_amx_bf16" (bf16 instructions, fp32 accumulation), or
+  // "widened to fp32 for the BLAS" (without oneDNN, or on a CPU without bf16 GEMMs).
+  std::string bf16_gemm;
 
   // One line for logs: library, version, kernels, how they were chosen, CPU, and a
   // warning with the fix when the kernels are slow.
@@ -295,6 +303,13 @@ inline blas_report blas_info() {
   }
 #endif
   blas_detail::recommend(r);
+#ifdef LCE_BF16_GEMM_ONEDNN
+  r.bf16_gemm = detail::onednn_bf16_gemm_available()
+                    ? detail::onednn_bf16_gemm_description()
+                    : "widened to fp32 for the BLAS (" + detail::onednn_bf16_gemm_description() + " has no bf16 instructions here)";
+#else
+  r.bf16_gemm = "widened to fp32 for the BLAS";
+#endif
   return r;
 }
 
@@ -336,6 +351,7 @@ inline std::string blas_report::line() const {
   }
   if (threads > 0) s += ", " + std::to_string(threads) + (threads == 1 ? " thread" : " threads");
   s += "; CPU " + cpu.summary();
+  if (!bf16_gemm.empty()) s += "; bf16 GEMMs: " + bf16_gemm;
   if (slow) s += " -- SLOW: " + reason + (advice().empty() ? "" : "; " + advice());
   return s;
 }

@@ -21,6 +21,9 @@
 #include <lce/host/detail/convert.hpp>
 #include <lce/host/detail/row_passes.hpp>
 #include <lce/host/detail/thread_pool.hpp>
+#ifdef LCE_BF16_GEMM_ONEDNN
+#include <lce/host/detail/onednn_gemm.hpp>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -30,6 +33,7 @@
 #include <memory>
 #include <new>
 #include <thread>
+#include <type_traits>
 
 LCE_BEGIN_NAMESPACE
 
@@ -75,6 +79,10 @@ class host {
   void deallocate(void* pointer, std::size_t) { ::operator delete(pointer, std::align_val_t{alignment}); }
 
   // ---- GEMMs ----------------------------------------------------------------
+  // With LCE_BF16_GEMM=onednn (LCE_BF16_GEMM_ONEDNN), a bfloat16 weight's logits
+  // and dX GEMMs run as bf16 x bf16 -> fp32 GEMMs on the CPU's bf16 instructions
+  // (oneDNN; onednn_logits, onednn_grad_hidden) when the CPU has them, in the
+  // same scratch and still tiled by the shapes alone; otherwise as below.
   // Each GEMM is split into tiles that depend on the shapes only and run on
   // this backend's threads, each tile one single-threaded BLAS call: the
   // result is the same whatever the thread counts (lce's or the BLAS's). A
@@ -110,6 +118,9 @@ class host {
       });
     } else {
       if (x.rows == 0) return;
+      if constexpr (onednn_weight<A, T>) {
+        if (onednn_logits(x, w, alpha, out, weight_block)) return;
+      }
       // The same tiles for every vocabulary tile (the last, shorter one clips
       // them); half as many as for dX: two vocabulary tiles' are in flight.
       const output_tiling tiles(x.rows, vocab_tile_rows<T>(w.cols, w.rows), output_tiling::default_target / 2);
@@ -139,6 +150,9 @@ class host {
                      w.data + c0, w.ld, A(0), dx.row(r0) + c0, dx.ld);
       });
     } else {
+      if constexpr (onednn_weight<A, T>) {
+        if (onednn_grad_hidden(dz, w, alpha, dx, tiles, weight_block)) return;
+      }
       for_widened_tiles(w, weight_block, tiles.count(), /*chained=*/true,
                         [&](matrix_view<const A> block, std::int64_t v0, std::int64_t t) {
                           const auto [r0, rows, c0, cols] = tiles.tile(t);
@@ -335,33 +349,129 @@ class host {
     std::int64_t last_row_ = 0, last_col_ = 0;
   };
 
+  template <class A, class T>
+  static constexpr bool onednn_weight =
+#ifdef LCE_BF16_GEMM_ONEDNN
+      std::is_same_v<A, float> && std::is_same_v<std::remove_cv_t<T>, bfloat16>;
+#else
+      false;
+#endif
+
+#ifdef LCE_BF16_GEMM_ONEDNN
+  // Logits from a bf16 weight on bf16 instructions: the chunk's hidden rows (fp32,
+  // widened from bf16 by the engine) are rounded back to bf16 in blocks of rows
+  // that fit the weight scratch, then each vocabulary tile of each block is one
+  // oneDNN GEMM. Returns false (nothing to keep: the caller recomputes `out`) when
+  // the CPU lacks bf16 GEMMs, a row is too long for the scratch, or a hidden value
+  // is not a bf16 value (so rounding would change it).
+  bool onednn_logits(matrix_view<const float> x, matrix_view<const bfloat16> w, float alpha, matrix_view<float> out,
+                     void* scratch) {
+    if (x.cols == 0 || w.rows == 0 || !detail::onednn_bf16_gemm_available()) return false;
+    const std::int64_t capacity = 2 * weight_block_elements<bfloat16>(x.cols, w.rows);  // bf16 elements
+    const std::int64_t block_rows = std::min(x.rows, capacity / std::max<std::int64_t>(x.cols, 1));
+    if (block_rows < 1) return false;
+    auto* const xb = static_cast<bfloat16*>(scratch);
+    const std::int64_t tile = vocab_tile_rows<float>(w.cols, w.rows), tiles = ceil_div(w.rows, tile);
+    for (std::int64_t first = 0; first < x.rows; first += block_rows) {
+      const std::int64_t rows = std::min(block_rows, x.rows - first);
+      std::atomic<bool> inexact{false};
+      for_rows(rows, x.cols, [&](std::int64_t r) {
+        if (!detail::round_to_bf16_exact(x.row(first + r), xb + r * x.cols, x.cols)) inexact.store(true);
+      });
+      if (inexact.load()) return false;
+      for_tiles(tiles, [&](std::int64_t t) {
+        const std::int64_t v0 = t * tile, cols = std::min(tile, w.rows - v0);
+        detail::onednn_bf16_gemm(rows, cols, x.cols, alpha, xb, x.cols, 1, w.row(v0), 1, w.ld, false,
+                                 out.row(first) + v0, out.ld);
+      });
+    }
+    return true;
+  }
+
+  // dX = alpha dz w from a bf16 weight on bf16 instructions. dz (fp32) is kept to
+  // 16 significant bits as two bf16 parts, hi = bf16(dz) and lo = bf16(dz - hi),
+  // staged one tile of vocabulary columns at a time into the two slots of the
+  // weight scratch (for_staged_tiles); each output tile of dX adds hi w + lo w
+  // tile after tile, in order. Returns false (dx untouched) when the CPU lacks
+  // bf16 GEMMs or the scratch holds too few columns of dz.
+  bool onednn_grad_hidden(matrix_view<const float> dz, matrix_view<const bfloat16> w, float alpha,
+                          matrix_view<float> dx, const output_tiling& tiles, void* scratch) {
+    if (w.rows == 0 || dz.rows == 0 || !detail::onednn_bf16_gemm_available()) return false;
+    const std::int64_t capacity = 2 * weight_block_elements<bfloat16>(w.cols, w.rows);  // bf16 elements
+    // Two slots, each hi and lo of [dz.rows, tile] (whole cache lines of columns).
+    std::int64_t tile = std::min(w.rows, capacity / (4 * std::max<std::int64_t>(dz.rows, 1)));
+    if (tile < w.rows) tile = tile / 32 * 32;
+    if (tile < std::min<std::int64_t>(w.rows, 128)) return false;
+    const std::int64_t slot = 2 * dz.rows * tile;
+    const std::int64_t piece = std::max<std::int64_t>(1, (std::int64_t{1} << 16) / tile);
+    auto* const base = static_cast<bfloat16*>(scratch);
+    for_staged_tiles(
+        ceil_div(w.rows, tile), ceil_div(dz.rows, piece), tiles.count(), /*chained=*/true,
+        [&](std::int64_t k, std::int64_t p) {
+          const std::int64_t v0 = k * tile, cols = std::min(tile, w.rows - v0);
+          bfloat16* const hi = base + k % 2 * slot;
+          for (std::int64_t r = p * piece; r < std::min(dz.rows, (p + 1) * piece); ++r)
+            detail::split_to_bf16(dz.row(r) + v0, hi + r * tile, hi + (dz.rows + r) * tile, cols);
+        },
+        [&](std::int64_t k, std::int64_t j) {
+          const auto [r0, rows, c0, cols] = tiles.tile(j);
+          const std::int64_t v0 = k * tile, depth = std::min(tile, w.rows - v0);
+          const bfloat16* const hi = base + k % 2 * slot;
+          detail::onednn_bf16_gemm(rows, cols, depth, alpha, hi + r0 * tile, tile, 1, w.row(v0) + c0, w.ld, 1, k > 0,
+                                   dx.row(r0) + c0, dx.ld);
+          detail::onednn_bf16_gemm(rows, cols, depth, alpha, hi + (dz.rows + r0) * tile, tile, 1, w.row(v0) + c0, w.ld,
+                                   1, true, dx.row(r0) + c0, dx.ld);
+        });
+    return true;
+  }
+#endif
+
   // Runs gemm(block, v0, j) for every tile of vocabulary rows [v0, v0 +
   // block.rows) of a 2-byte weight and every output tile j in [0, jobs), in
   // one pass of the pool: tile k is widened to fp32 (once, by all threads, in
   // pieces) into slot k % 2 of `scratch` (weight_block_elements<T>) while the
-  // GEMMs of tile k - 1 run, so no thread waits at a barrier between tiles.
-  // Grains are handed out in the order W0 W1 G0 G1 W2 G2 W3 G3 ... (Wk: the
-  // pieces of widening k, Gk: its GEMMs); each waits only for what it needs,
-  // all of it earlier in that order (so someone is already on it):
-  //   Wk (k >= 2)  the GEMMs of tile k - 2, which read the slot it rewrites;
-  //   Gk, job j    Wk, and with `chained` job j of tile k - 1, which it adds to
-  //                (so each output tile sums over the vocabulary tiles in order).
+  // GEMMs of tile k - 1 run, so no thread waits at a barrier between tiles
+  // (for_staged_tiles).
   template <class T, class Gemm>
   void for_widened_tiles(matrix_view<const T> w, void* scratch, std::int64_t jobs, bool chained, Gemm&& gemm) {
     const std::int64_t tile = vocab_tile_rows<T>(w.cols, w.rows), tiles = ceil_div(w.rows, tile);
     const std::int64_t piece = std::max<std::int64_t>(1, (std::int64_t{1} << 16) / std::max<std::int64_t>(w.cols, 1));
-    const std::int64_t pieces = ceil_div(tile, piece);
-    if (jobs <= 0 || tiles <= 0) return;
     float* const slots[2] = {static_cast<float*>(scratch), static_cast<float*>(scratch) + tile * w.cols};
+    for_staged_tiles(
+        tiles, ceil_div(tile, piece), jobs, chained,
+        [&](std::int64_t k, std::int64_t p) {
+          const std::int64_t v0 = k * tile, rows = std::min(tile, w.rows - v0);
+          for (std::int64_t r = p * piece; r < std::min(rows, (p + 1) * piece); ++r)
+            detail::convert_span(w.row(v0 + r), slots[k % 2] + r * w.cols, w.cols);
+        },
+        [&](std::int64_t k, std::int64_t j) {
+          const std::int64_t v0 = k * tile, rows = std::min(tile, w.rows - v0);
+          gemm(matrix_view<const float>{slots[k % 2], rows, w.cols, w.cols}, v0, j);
+        });
+  }
 
-    // Progress, counted up (never reset): pieces widened and GEMMs done into
+  // Runs stage(k, p) for every piece p in [0, pieces) of every tile k in [0,
+  // tiles), which writes that piece of tile k into slot k % 2 of some scratch,
+  // and gemm(k, j) for every job j in [0, jobs), which reads slot k % 2, all in
+  // one pass of the pool. Grains are handed out in the order W0 W1 G0 G1 W2 G2
+  // W3 G3 ... (Wk: the pieces of staging k, Gk: its GEMMs); each waits only for
+  // what it needs, all of it earlier in that order (so someone is already on it):
+  //   Wk (k >= 2)  the GEMMs of tile k - 2, which read the slot it rewrites;
+  //   Gk, job j    Wk, and with `chained` job j of tile k - 1, which it adds to
+  //                (so each output tile sums over the vocabulary tiles in order).
+  template <class Stage, class Gemm>
+  void for_staged_tiles(std::int64_t tiles, std::int64_t pieces, std::int64_t jobs, bool chained, Stage&& stage,
+                        Gemm&& gemm) {
+    if (jobs <= 0 || tiles <= 0) return;
+
+    // Progress, counted up (never reset): pieces staged and GEMMs done into
     // each slot over all its tiles so far, and per job the tiles it has done.
     struct alignas(64) counter {
       std::atomic<std::int64_t> value{0};
     };
-    counter widened[2], gemms_done[2];
+    counter staged[2], gemms_done[2];
     counter job_tiles[output_tiling::max_count];  // with `chained` (its jobs are output tiles)
-    detail::expects(!chained || jobs <= output_tiling::max_count, "for_widened_tiles: ", jobs, " chained jobs");
+    detail::expects(!chained || jobs <= output_tiling::max_count, "for_staged_tiles: ", jobs, " chained jobs");
     std::atomic<bool> failed{false};
     const auto wait_for = [&failed](auto&& ready) {
       for (unsigned spin = 0;; ++spin) {
@@ -373,18 +483,15 @@ class host {
     };
     const auto at_least = [](const counter& c, std::int64_t n) { return c.value.load(std::memory_order_acquire) >= n; };
 
-    const auto widen = [&](std::int64_t k, std::int64_t p) {
+    const auto prepare = [&](std::int64_t k, std::int64_t p) {
       if (k >= 2 && !wait_for([&] { return at_least(gemms_done[k % 2], k / 2 * jobs); })) return;
-      const std::int64_t v0 = k * tile, rows = std::min(tile, w.rows - v0);
-      for (std::int64_t r = p * piece; r < std::min(rows, (p + 1) * piece); ++r)
-        detail::convert_span(w.row(v0 + r), slots[k % 2] + r * w.cols, w.cols);
-      widened[k % 2].value.fetch_add(1, std::memory_order_release);
+      stage(k, p);
+      staged[k % 2].value.fetch_add(1, std::memory_order_release);
     };
     const auto multiply = [&](std::int64_t k, std::int64_t j) {
-      if (!wait_for([&] { return at_least(widened[k % 2], (k / 2 + 1) * pieces); })) return;
+      if (!wait_for([&] { return at_least(staged[k % 2], (k / 2 + 1) * pieces); })) return;
       if (chained && k >= 1 && !wait_for([&] { return at_least(job_tiles[j], k); })) return;
-      const std::int64_t v0 = k * tile, rows = std::min(tile, w.rows - v0);
-      gemm(matrix_view<const float>{slots[k % 2], rows, w.cols, w.cols}, v0, j);
+      gemm(k, j);
       if (chained) job_tiles[j].value.store(k + 1, std::memory_order_release);
       gemms_done[k % 2].value.fetch_add(1, std::memory_order_release);
     };
@@ -392,12 +499,12 @@ class host {
     const std::int64_t head = std::min<std::int64_t>(tiles, 2) * pieces + std::min<std::int64_t>(tiles, 2) * jobs;
     const auto run = [&](std::int64_t i) {
       if (i < head) {
-        const std::int64_t widenings = std::min<std::int64_t>(tiles, 2) * pieces;
-        if (i < widenings) return widen(i / pieces, i % pieces);
-        return multiply((i - widenings) / jobs, (i - widenings) % jobs);
+        const std::int64_t stagings = std::min<std::int64_t>(tiles, 2) * pieces;
+        if (i < stagings) return prepare(i / pieces, i % pieces);
+        return multiply((i - stagings) / jobs, (i - stagings) % jobs);
       }
       const std::int64_t k = 2 + (i - head) / (pieces + jobs), r = (i - head) % (pieces + jobs);
-      return r < pieces ? widen(k, r) : multiply(k, r - pieces);
+      return r < pieces ? prepare(k, r) : multiply(k, r - pieces);
     };
     pool_->parallel_for(tiles * (pieces + jobs), 1, [&](std::int64_t begin, std::int64_t end, int) {
       try {
