@@ -181,26 +181,32 @@ struct kernels {
 
   // Each returns the prepared call: every local check and allocation is done
   // (and may raise) before it returns; the call itself makes lce's one
-  // exchange with the other ranks and the sweep.
+  // exchange with the other ranks and the sweep. All of them use lce's
+  // row-term forms (lce::row_outputs / lce::row_gradients).
 
-  // -> (logprobs, lse, entropy) shaped as targets; entropy is [0] when not asked for.
-  static std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor>()> forward(const at::Tensor& hidden, const at::Tensor& weight,
-                                                                const at::Tensor& targets, bool with_entropy,
-                                                                const config& c);
+  // -> (logprobs, lse, entropy, mean_logit) shaped as targets; entropy and
+  // mean_logit are [0] when not asked for.
+  static std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>()> forward(
+      const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, bool with_entropy,
+      bool with_mean_logit, const config& c);
 
-  // -> (grad_hidden shaped as hidden, grad_weight [V_r, H]) in the inputs' dtype.
-  static std::function<std::tuple<at::Tensor, at::Tensor>()> backward(const at::Tensor& grad_logprobs,
-                                                     const std::optional<at::Tensor>& grad_entropy,
-                                                     const at::Tensor& hidden, const at::Tensor& weight,
-                                                     const at::Tensor& targets, const at::Tensor& lse,
-                                                     const config& c);
+  // -> (grad_hidden shaped as hidden, grad_weight [V_r, H]) in the inputs' dtype,
+  // for dL/d(logprobs, entropy, lse, mean_logit); the optional ones count as 0.
+  // lse is a real value on ignored tokens too, so grad_lse applies there (the
+  // others are 0 there: log-prob, entropy and mean logit are reported 0).
+  static std::function<std::tuple<at::Tensor, at::Tensor>()> backward(
+      const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy, const at::Tensor& hidden,
+      const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& lse,
+      const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit,
+      const config& c);
 
-  // One sweep: -> (logprobs, grad_hidden, grad_weight) for a dL/dlogprobs known up front.
-  static std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor>()> forward_backward(const at::Tensor& hidden,
-                                                                         const at::Tensor& weight,
-                                                                         const at::Tensor& targets,
-                                                                         const at::Tensor& grad_logprobs,
-                                                                         const config& c);
+  // One sweep: -> (logprobs, grad_hidden, grad_weight, lse, mean_logit) for
+  // dL/d(logprobs, lse, mean_logit) known up front (ignored tokens: no
+  // gradient, as in lce); mean_logit is [0] unless with_mean_logit.
+  static std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>()> forward_backward(
+      const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& grad_logprobs,
+      const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit,
+      bool with_mean_logit, const config& c);
 };
 
 // Calls f with the targets as an lce vector view of int32 or int64.
@@ -214,78 +220,113 @@ decltype(auto) with_targets(const at::Tensor& t, F&& f) {
 template <class TorchT>
 using op_of = typename operator_cache<typename lce_type_of<TorchT>::type>::op_t;
 
+inline bool given(const std::optional<at::Tensor>& t) { return t && t->defined(); }
+
+// An empty lce view (the row term is absent) or the tensor's.
+template <class E>
+lce::vector_view<E> optional_vector(const at::Tensor& t) {
+  return t.defined() ? vector_of<E>(t) : lce::vector_view<E>{};
+}
+
 template <class TorchT>
-std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor>()> kernels<TorchT>::forward(
+std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>()> kernels<TorchT>::forward(
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, bool with_entropy,
-    const config& c) {
+    bool with_mean_logit, const config& c) {
   auto* op = &operator_cache<T>::get(c);
   const rows_view x = as_rows(hidden, "hidden"), w = as_rows(weight, "weight");
   const at::Tensor y = as_vector(targets);
   const auto out = at::TensorOptions().dtype(c10::CppTypeToScalarType<R>::value);
   at::Tensor logp = at::empty(targets.sizes(), out), lse = at::empty(targets.sizes(), out);
   at::Tensor ent = with_entropy ? at::empty(targets.sizes(), out) : at::empty({0}, out);
-  return [=]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor> {
+  at::Tensor mean = with_mean_logit ? at::empty(targets.sizes(), out) : at::empty({0}, out);
+  return [=]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> {
     workspace_release<op_of<TorchT>> release{*op};
     with_targets(y, [&](auto ids) {
-      if (with_entropy)
-        op->forward(matrix_of<const T>(x), matrix_of<const T>(w), ids, vector_of<R>(logp), vector_of<R>(lse),
-                    vector_of<R>(ent));
-      else
-        op->forward(matrix_of<const T>(x), matrix_of<const T>(w), ids, vector_of<R>(logp), vector_of<R>(lse));
+      op->forward(matrix_of<const T>(x), matrix_of<const T>(w), ids,
+                  lce::row_outputs<R>{vector_of<R>(logp), vector_of<R>(lse),
+                                      with_entropy ? vector_of<R>(ent) : lce::vector_view<R>{},
+                                      with_mean_logit ? vector_of<R>(mean) : lce::vector_view<R>{}});
     });
-    return {logp, lse, ent};
+    return {logp, lse, ent, mean};
   };
 }
 
 template <class TorchT>
 std::function<std::tuple<at::Tensor, at::Tensor>()> kernels<TorchT>::backward(
     const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy, const at::Tensor& hidden,
-    const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& lse, const config& c) {
+    const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& lse,
+    const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit, const config& c) {
   auto* op = &operator_cache<T>::get(c);
   const rows_view x = as_rows(hidden, "hidden"), w = as_rows(weight, "weight");
-  const at::Tensor y = as_vector(targets);
+  at::Tensor y = as_vector(targets);
   const auto rt = c10::CppTypeToScalarType<R>::value;
-  const at::Tensor ls = per_token(lse, rt, y.numel(), "lse");
-  const at::Tensor gl = per_token(grad_logprobs, rt, y.numel(), "grad_logprobs");
-  const bool with_entropy = grad_entropy && grad_entropy->defined();
-  const at::Tensor ge = with_entropy ? per_token(*grad_entropy, rt, y.numel(), "grad_entropy") : at::Tensor();
+  const std::int64_t n = y.numel();
+  const at::Tensor ls = per_token(lse, rt, n, "lse");
+  at::Tensor gl = per_token(grad_logprobs, rt, n, "grad_logprobs");
+  at::Tensor ge = given(grad_entropy) ? per_token(*grad_entropy, rt, n, "grad_entropy") : at::Tensor();
+  const at::Tensor gq = given(grad_lse) ? per_token(*grad_lse, rt, n, "grad_lse") : at::Tensor();
+  at::Tensor gm = given(grad_mean_logit) ? per_token(*grad_mean_logit, rt, n, "grad_mean_logit") : at::Tensor();
+  if (gq.defined() && n > 0) {
+    // lce gives ignored tokens no gradient at all, but their lse is real: hand
+    // lce those rows with a valid target (the same id on every rank, so the
+    // targets still agree) and no log-prob, entropy or mean-logit gradient, so
+    // that only dL/dlse reaches them.
+    const at::Tensor ignored = y == c.ignore_index;
+    const std::int64_t stand_in = c.ignore_index == 0 ? 1 : 0;
+    const bool representable = c.group_name || stand_in < w.rows;
+    if (representable && ignored.any().item<bool>()) {
+      y = y.masked_fill(ignored, stand_in);
+      gl = gl.masked_fill(ignored, 0);
+      if (ge.defined()) ge = ge.masked_fill(ignored, 0);
+      if (gm.defined()) gm = gm.masked_fill(ignored, 0);
+    }
+  }
   at::Tensor dx = at::empty(hidden.sizes(), hidden.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor dw = at::zeros({w.rows, w.cols}, weight.options().memory_format(at::MemoryFormat::Contiguous));
   const rows_view gx = as_rows(dx, "grad_hidden"), gw = as_rows(dw, "grad_weight");
   return [=]() -> std::tuple<at::Tensor, at::Tensor> {
     workspace_release<op_of<TorchT>> release{*op};
     with_targets(y, [&](auto ids) {
-      if (with_entropy)
-        op->backward(matrix_of<const T>(x), matrix_of<const T>(w), ids, vector_of<const R>(ls),
-                     vector_of<const R>(gl), vector_of<const R>(ge), matrix_of<T>(gx), matrix_of<T>(gw));
-      else
-        op->backward(matrix_of<const T>(x), matrix_of<const T>(w), ids, vector_of<const R>(ls),
-                     vector_of<const R>(gl), matrix_of<T>(gx), matrix_of<T>(gw));
+      op->backward(matrix_of<const T>(x), matrix_of<const T>(w), ids, vector_of<const R>(ls),
+                   lce::row_gradients<R>{vector_of<const R>(gl), optional_vector<const R>(ge),
+                                         optional_vector<const R>(gq), optional_vector<const R>(gm)},
+                   matrix_of<T>(gx), matrix_of<T>(gw));
     });
     return {dx, dw};
   };
 }
 
 template <class TorchT>
-std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor>()> kernels<TorchT>::forward_backward(
-    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& grad_logprobs,
-    const config& c) {
+std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>()>
+kernels<TorchT>::forward_backward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+                                  const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_lse,
+                                  const std::optional<at::Tensor>& grad_mean_logit, bool with_mean_logit,
+                                  const config& c) {
   auto* op = &operator_cache<T>::get(c);
   const rows_view x = as_rows(hidden, "hidden"), w = as_rows(weight, "weight");
   const at::Tensor y = as_vector(targets);
   const auto rt = c10::CppTypeToScalarType<R>::value;
-  const at::Tensor gl = per_token(grad_logprobs, rt, y.numel(), "grad_logprobs");
-  at::Tensor logp = at::empty(targets.sizes(), at::TensorOptions().dtype(rt));
+  const std::int64_t n = y.numel();
+  const at::Tensor gl = per_token(grad_logprobs, rt, n, "grad_logprobs");
+  const at::Tensor gq = given(grad_lse) ? per_token(*grad_lse, rt, n, "grad_lse") : at::Tensor();
+  const at::Tensor gm = given(grad_mean_logit) ? per_token(*grad_mean_logit, rt, n, "grad_mean_logit") : at::Tensor();
+  const auto out = at::TensorOptions().dtype(rt);
+  at::Tensor logp = at::empty(targets.sizes(), out), lse = at::empty(targets.sizes(), out);
+  at::Tensor mean = with_mean_logit ? at::empty(targets.sizes(), out) : at::empty({0}, out);
   at::Tensor dx = at::empty(hidden.sizes(), hidden.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor dw = at::zeros({w.rows, w.cols}, weight.options().memory_format(at::MemoryFormat::Contiguous));
   const rows_view gx = as_rows(dx, "grad_hidden"), gw = as_rows(dw, "grad_weight");
-  return [=]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor> {
+  return [=]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> {
     workspace_release<op_of<TorchT>> release{*op};
     with_targets(y, [&](auto ids) {
-      op->forward_backward(matrix_of<const T>(x), matrix_of<const T>(w), ids, vector_of<const R>(gl),
-                           vector_of<R>(logp), matrix_of<T>(gx), matrix_of<T>(gw));
+      op->forward_backward(
+          matrix_of<const T>(x), matrix_of<const T>(w), ids,
+          lce::row_gradients<R>{vector_of<const R>(gl), {}, optional_vector<const R>(gq), optional_vector<const R>(gm)},
+          lce::row_outputs<R>{vector_of<R>(logp), vector_of<R>(lse), {},
+                              with_mean_logit ? vector_of<R>(mean) : lce::vector_view<R>{}},
+          matrix_of<T>(gx), matrix_of<T>(gw));
     });
-    return {logp, dx, dw};
+    return {logp, dx, dw, lse, mean};
   };
 }
 

@@ -2,11 +2,14 @@
 // Fake (meta) kernels and autograd are registered in Python
 // (lce_torch/_ops.py: torch.library.register_fake / register_autograd).
 //
-//   lce::logprobs                  hidden, weight, targets -> logprobs, lse, entropy
-//   lce::logprobs_backward         grad_logprobs, grad_entropy?, hidden, weight, targets, lse
-//                                  -> grad_hidden, grad_weight
-//   lce::logprobs_forward_backward hidden, weight, targets, grad_logprobs
-//                                  -> logprobs, grad_hidden, grad_weight (one sweep)
+//   lce::logprobs                  hidden, weight, targets -> logprobs, lse, entropy, mean_logit
+//   lce::logprobs_backward         grad_logprobs, grad_entropy?, hidden, weight, targets, lse,
+//                                  grad_lse?, grad_mean_logit? -> grad_hidden, grad_weight
+//   lce::logprobs_forward_backward hidden, weight, targets, grad_logprobs, grad_lse?, grad_mean_logit?
+//                                  -> logprobs, grad_hidden, grad_weight, lse, mean_logit (one sweep)
+//
+// (lce's row-term forms: entropy and mean_logit are [0] unless with_entropy /
+// with_mean_logit; a missing gradient counts as 0.)
 //
 // Every op takes the same keyword options: vocab_start, ignore_index,
 // temperature, softcap, sequence_parallel, chunk_tokens, workspace_limit_bytes,
@@ -115,37 +118,24 @@ auto agreed(const config& c, const at::Tensor& hidden, Prepare&& prepare) {
   return plan();
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> logprobs_cpu(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprobs_cpu(
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, bool with_entropy,
-    std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel,
+    bool with_mean_logit, std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel,
     std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                                workspace_limit_bytes, group_name);
   return agreed(c, hidden, [&] {
     check_inputs(hidden, weight, targets);
     return dispatch(hidden.scalar_type(), [&]<class TorchT>() {
-      return kernels<TorchT>::forward(hidden, weight, targets, with_entropy, c);
+      return kernels<TorchT>::forward(hidden, weight, targets, with_entropy, with_mean_logit, c);
     });
   });
 }
 
 std::tuple<at::Tensor, at::Tensor> logprobs_backward_cpu(
     const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy, const at::Tensor& hidden,
-    const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& lse, std::int64_t vocab_start,
-    std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel, std::int64_t chunk_tokens,
-    std::int64_t workspace_limit_bytes, std::optional<std::string> group_name) {
-  const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
-                               workspace_limit_bytes, group_name);
-  return agreed(c, hidden, [&] {
-    check_inputs(hidden, weight, targets);
-    return dispatch(hidden.scalar_type(), [&]<class TorchT>() {
-      return kernels<TorchT>::backward(grad_logprobs, grad_entropy, hidden, weight, targets, lse, c);
-    });
-  });
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> logprobs_forward_backward_cpu(
-    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& grad_logprobs,
+    const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& lse,
+    const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit,
     std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel,
     std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
@@ -153,7 +143,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logprobs_forward_backward_cpu(
   return agreed(c, hidden, [&] {
     check_inputs(hidden, weight, targets);
     return dispatch(hidden.scalar_type(), [&]<class TorchT>() {
-      return kernels<TorchT>::forward_backward(hidden, weight, targets, grad_logprobs, c);
+      return kernels<TorchT>::backward(grad_logprobs, grad_entropy, hidden, weight, targets, lse, grad_lse,
+                                       grad_mean_logit, c);
+    });
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprobs_forward_backward_cpu(
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& grad_logprobs,
+    const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit,
+    bool with_mean_logit, std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel,
+    std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name) {
+  const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
+                               workspace_limit_bytes, group_name);
+  return agreed(c, hidden, [&] {
+    check_inputs(hidden, weight, targets);
+    return dispatch(hidden.scalar_type(), [&]<class TorchT>() {
+      return kernels<TorchT>::forward_backward(hidden, weight, targets, grad_logprobs, grad_lse,
+                                               grad_mean_logit, with_mean_logit, c);
     });
   });
 }
@@ -168,21 +175,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logprobs_forward_backward_cpu(
                               "lce_torch: CUDA tensors need lce's CUDA backend, which is not built yet; "
                               "move hidden, weight and targets to the CPU");
 }
-std::tuple<at::Tensor, at::Tensor, at::Tensor> logprobs_cuda(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                             bool, std::int64_t, std::int64_t, double, double, bool,
-                                                             std::int64_t, std::int64_t, std::optional<std::string>) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprobs_cuda(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, bool, std::int64_t, std::int64_t, double, double,
+    bool, std::int64_t, std::int64_t, std::optional<std::string>) {
   no_cuda_yet();
 }
-std::tuple<at::Tensor, at::Tensor> logprobs_backward_cuda(const at::Tensor&, const std::optional<at::Tensor>&,
-                                                          const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                                          const at::Tensor&, std::int64_t, std::int64_t, double,
-                                                          double, bool, std::int64_t, std::int64_t,
-                                                          std::optional<std::string>) {
+std::tuple<at::Tensor, at::Tensor> logprobs_backward_cuda(
+    const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, std::int64_t,
+    std::int64_t, double, double, bool, std::int64_t, std::int64_t, std::optional<std::string>) {
   no_cuda_yet();
 }
-std::tuple<at::Tensor, at::Tensor, at::Tensor> logprobs_forward_backward_cuda(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, std::int64_t, std::int64_t, double,
-    double, bool, std::int64_t, std::int64_t, std::optional<std::string>) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprobs_forward_backward_cuda(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+    const std::optional<at::Tensor>&, bool, std::int64_t, std::int64_t, double, double, bool, std::int64_t,
+    std::int64_t, std::optional<std::string>) {
   no_cuda_yet();
 }
 
@@ -192,12 +199,15 @@ std::string blas_info_line() { return lce::blas_info().line(); }
 }  // namespace lce_torch
 
 TORCH_LIBRARY(lce, m) {
-  m.def("logprobs(Tensor hidden, Tensor weight, Tensor targets, *, bool with_entropy=False, " LCE_TORCH_OPTIONS
-        ") -> (Tensor logprobs, Tensor lse, Tensor entropy)");
+  m.def("logprobs(Tensor hidden, Tensor weight, Tensor targets, *, bool with_entropy=False, "
+        "bool with_mean_logit=False, " LCE_TORCH_OPTIONS
+        ") -> (Tensor logprobs, Tensor lse, Tensor entropy, Tensor mean_logit)");
   m.def("logprobs_backward(Tensor grad_logprobs, Tensor? grad_entropy, Tensor hidden, Tensor weight, "
-        "Tensor targets, Tensor lse, *, " LCE_TORCH_OPTIONS ") -> (Tensor grad_hidden, Tensor grad_weight)");
+        "Tensor targets, Tensor lse, Tensor? grad_lse=None, Tensor? grad_mean_logit=None, *, " LCE_TORCH_OPTIONS
+        ") -> (Tensor grad_hidden, Tensor grad_weight)");
   m.def("logprobs_forward_backward(Tensor hidden, Tensor weight, Tensor targets, Tensor grad_logprobs, "
-        "*, " LCE_TORCH_OPTIONS ") -> (Tensor logprobs, Tensor grad_hidden, Tensor grad_weight)");
+        "Tensor? grad_lse=None, Tensor? grad_mean_logit=None, *, bool with_mean_logit=False, " LCE_TORCH_OPTIONS
+        ") -> (Tensor logprobs, Tensor grad_hidden, Tensor grad_weight, Tensor lse, Tensor mean_logit)");
   m.def("blas_info() -> str", &lce_torch::blas_info_line);
   m.def("set_keep_workspace(bool keep) -> ()", &lce_torch::set_keep_workspace);
 }

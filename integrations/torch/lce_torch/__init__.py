@@ -61,8 +61,9 @@ def linear_logprobs(hidden, weight, targets, *, vocab_start=0, ignore_index=-100
 
     Returns ``logprobs`` [...] (float32; float64 for float64 inputs), or the tuple
     ``(logprobs, entropy)`` with ``with_entropy``, with ``lse`` appended when
-    ``return_lse``. ``logprobs`` and ``entropy`` are differentiable with respect to
-    hidden and weight; ``lse`` is not.
+    ``return_lse``. All three are differentiable with respect to hidden and weight
+    (a z-loss ``lam * (lse**2).mean()`` backpropagates through lce's backward,
+    ignored tokens included: their log-prob and entropy are 0, their lse is real).
 
     group: a torch.distributed ProcessGroup (or its name) holding the other vocabulary
     shards; this rank's shard covers ids [vocab_start, vocab_start + V_local) (see
@@ -72,7 +73,7 @@ def linear_logprobs(hidden, weight, targets, *, vocab_start=0, ignore_index=-100
     """
     opts = _options(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                     workspace_limit_bytes, group)
-    logp, lse, ent = torch.ops.lce.logprobs(hidden, weight, targets, with_entropy=with_entropy, **opts)
+    logp, lse, ent, _ = torch.ops.lce.logprobs(hidden, weight, targets, with_entropy=with_entropy, **opts)
     out = (logp,)
     if with_entropy:
         out += (ent,)
@@ -91,19 +92,33 @@ def _token_weights(targets, class_weight, ignore_index, dtype):
 
 class _FusedCrossEntropy(torch.autograd.Function):
     """Mean / sum cross-entropy in one lce sweep (forward_backward: 3 GEMMs per chunk
-    instead of 4): dL/dlogp is known before the forward, so the gradients are computed
-    in the forward and scaled by the incoming (scalar) gradient in the backward."""
+    instead of 4): dL/dlogp (and, with label smoothing, dL/dlse and dL/dmean_logit) is
+    known before the forward, so the gradients are computed in the forward and scaled by
+    the incoming (scalar) gradient in the backward.
+
+    Per counted token i with weight c_i = w_i / denom, the loss is
+    c_i ((1 - eps) (-logp_i) + eps (lse_i - mean_logit_i)) (PyTorch's label smoothing:
+    eps / V times -sum_v log p_v = eps (lse - mean logit))."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, class_weight, reduction, opts):
+    def forward(ctx, hidden, weight, targets, class_weight, reduction, label_smoothing, opts):
         rdt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         w = _token_weights(targets, class_weight, opts["ignore_index"], rdt)
         denom = w.sum() if reduction == "mean" else torch.ones((), dtype=rdt)
-        grad = -w / denom
-        logp, grad_hidden, grad_weight = torch.ops.lce.logprobs_forward_backward(
-            hidden, weight, targets, grad, **opts)
+        c = w / denom
+        if label_smoothing == 0.0:
+            grad = -c
+            logp, grad_hidden, grad_weight, _, _ = torch.ops.lce.logprobs_forward_backward(
+                hidden, weight, targets, grad, **opts)
+            loss = (grad * logp).sum()
+        else:
+            eps = float(label_smoothing)
+            grad, grad_lse, grad_mean = -(1.0 - eps) * c, eps * c, -eps * c
+            logp, grad_hidden, grad_weight, lse, mean = torch.ops.lce.logprobs_forward_backward(
+                hidden, weight, targets, grad, grad_lse, grad_mean, with_mean_logit=True, **opts)
+            loss = (grad * logp + grad_lse * lse + grad_mean * mean).sum()
         ctx.save_for_backward(grad_hidden, grad_weight)
-        return ((grad * logp).sum()).to(hidden.dtype)
+        return loss.to(hidden.dtype)
 
     @staticmethod
     def backward(ctx, grad_loss):
@@ -117,7 +132,7 @@ class _FusedCrossEntropy(torch.autograd.Function):
             dx = (grad_hidden * g).to(grad_hidden.dtype)
             dw = (grad_weight * g).to(grad_weight.dtype)
         return (dx if ctx.needs_input_grad[0] else None, dw if ctx.needs_input_grad[1] else None,
-                None, None, None, None)
+                None, None, None, None, None)
 
 
 def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weight=None, reduction="mean",
@@ -130,8 +145,12 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
     optional per-class rescaling weight [V] (the full vocabulary), ``reduction`` is
     "mean" (weighted by ``weight``, over targets other than ``ignore_index``), "sum" or
     "none" (per token, 0 where ignored), in the dtype of ``input``.
-    ``label_smoothing`` other than 0 and ``linear_bias`` raise NotImplementedError
-    (lce does not compute the mean logit over the vocabulary that smoothing needs).
+    ``label_smoothing`` (eps in [0, 1]) is PyTorch's: each counted token's loss is
+    (1 - eps) (-log p_y) + eps (lse - mean logit), from lce's mean logit over the whole
+    vocabulary (of the logits after ``softcap`` and ``temperature``), still one sweep.
+    ``label_smoothing`` together with ``weight`` raises NotImplementedError (PyTorch then
+    weights the smoothing term by class, sum_v w_v log p_v, which lce does not compute),
+    and so does ``linear_bias``.
 
     "mean" and "sum" with gradients enabled run lce's one-sweep forward_backward
     (``fused=True``): the gradients are computed in the forward and scaled in the
@@ -140,10 +159,14 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
     """
     if linear_bias is not None:
         raise NotImplementedError("lce_torch.linear_cross_entropy: linear_bias is not supported (lce has no bias)")
-    if label_smoothing != 0.0:
+    label_smoothing = float(label_smoothing)
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"lce_torch.linear_cross_entropy: label_smoothing must be between 0.0 and 1.0, got "
+                         f"{label_smoothing}")
+    if label_smoothing != 0.0 and weight is not None:
         raise NotImplementedError(
-            "lce_torch.linear_cross_entropy: label_smoothing is not supported: it needs the mean logit over the "
-            "vocabulary, which lce does not compute")
+            "lce_torch.linear_cross_entropy: label_smoothing together with weight (class weights) is not supported: "
+            "PyTorch weights the smoothing term by class (sum_v weight[v] log p_v), which lce does not compute")
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"lce_torch.linear_cross_entropy: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if ignore_index is None:
@@ -152,10 +175,15 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
                     workspace_limit_bytes, group)
     needs_grad = torch.is_grad_enabled() and (input.requires_grad or linear_weight.requires_grad)
     if reduction != "none" and fused and needs_grad:
-        return _FusedCrossEntropy.apply(input, linear_weight, target, weight, reduction, opts)
-    logp, _, _ = torch.ops.lce.logprobs(input, linear_weight, target, with_entropy=False, **opts)
+        return _FusedCrossEntropy.apply(input, linear_weight, target, weight, reduction, label_smoothing, opts)
+    smoothing = label_smoothing != 0.0
+    logp, lse, _, mean = torch.ops.lce.logprobs(input, linear_weight, target, with_entropy=False,
+                                                with_mean_logit=smoothing, **opts)
     w = _token_weights(target, weight, ignore_index, logp.dtype)
-    nll = -(logp * w)
+    if smoothing:
+        nll = w * ((label_smoothing - 1.0) * logp + label_smoothing * (lse - mean))
+    else:
+        nll = -(logp * w)
     if reduction == "none":
         return nll.to(input.dtype)
     if reduction == "sum":

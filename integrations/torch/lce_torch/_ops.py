@@ -7,9 +7,10 @@ kernels. This module adds what torch.compile and autograd need:
 * ``torch.library.register_fake``: shapes and dtypes of every output, so that
   ``torch.compile(fullgraph=True)`` traces through the ops without graph breaks;
 * ``torch.library.register_autograd`` for ``lce::logprobs``: the gradient of
-  ``logprobs`` and ``entropy`` with respect to ``hidden`` and ``weight`` is the
-  ``lce::logprobs_backward`` op (``lse`` is a non-differentiable statistic);
-  the two gradient ops raise a clear error if differentiated again.
+  ``logprobs``, ``lse``, ``entropy`` and ``mean_logit`` with respect to ``hidden``
+  and ``weight`` is the ``lce::logprobs_backward`` op (lce's row-term backward:
+  dL/dlse serves a z-loss, dL/dmean_logit label smoothing); the two gradient
+  ops raise a clear error if differentiated again.
 """
 import torch
 
@@ -50,17 +51,19 @@ def _check_fake(hidden, weight, targets):
 
 
 @torch.library.register_fake("lce::logprobs")
-def _logprobs_fake(hidden, weight, targets, *, with_entropy=False, **options):
+def _logprobs_fake(hidden, weight, targets, *, with_entropy=False, with_mean_logit=False, **options):
     _check_fake(hidden, weight, targets)
     rdt = _result_dtype(hidden.dtype)
     logp = targets.new_empty(targets.shape, dtype=rdt)
     lse = targets.new_empty(targets.shape, dtype=rdt)
     ent = targets.new_empty(targets.shape if with_entropy else (0,), dtype=rdt)
-    return logp, lse, ent
+    mean = targets.new_empty(targets.shape if with_mean_logit else (0,), dtype=rdt)
+    return logp, lse, ent, mean
 
 
 @torch.library.register_fake("lce::logprobs_backward")
-def _logprobs_backward_fake(grad_logprobs, grad_entropy, hidden, weight, targets, lse, **options):
+def _logprobs_backward_fake(grad_logprobs, grad_entropy, hidden, weight, targets, lse, grad_lse=None,
+                            grad_mean_logit=None, **options):
     _check_fake(hidden, weight, targets)
     return (
         torch.empty_like(hidden, memory_format=torch.contiguous_format),
@@ -69,12 +72,16 @@ def _logprobs_backward_fake(grad_logprobs, grad_entropy, hidden, weight, targets
 
 
 @torch.library.register_fake("lce::logprobs_forward_backward")
-def _logprobs_forward_backward_fake(hidden, weight, targets, grad_logprobs, **options):
+def _logprobs_forward_backward_fake(hidden, weight, targets, grad_logprobs, grad_lse=None, grad_mean_logit=None, *,
+                                    with_mean_logit=False, **options):
     _check_fake(hidden, weight, targets)
+    rdt = _result_dtype(hidden.dtype)
     return (
-        targets.new_empty(targets.shape, dtype=_result_dtype(hidden.dtype)),
+        targets.new_empty(targets.shape, dtype=rdt),
         torch.empty_like(hidden, memory_format=torch.contiguous_format),
         torch.empty_like(weight, memory_format=torch.contiguous_format),
+        targets.new_empty(targets.shape, dtype=rdt),
+        targets.new_empty(targets.shape if with_mean_logit else (0,), dtype=rdt),
     )
 
 
@@ -83,16 +90,21 @@ def _logprobs_forward_backward_fake(hidden, weight, targets, grad_logprobs, **op
 
 def _logprobs_setup_context(ctx, inputs, keyword_only_inputs, output):
     hidden, weight, targets = inputs
-    _, lse, entropy = output
+    _, lse, entropy, mean_logit = output
     ctx.save_for_backward(hidden, weight, targets, lse)
     ctx.with_entropy = bool(keyword_only_inputs.get("with_entropy", False))
+    ctx.with_mean_logit = bool(keyword_only_inputs.get("with_mean_logit", False))
     ctx.options = {k: v for k, v in keyword_only_inputs.items() if k in OPTION_NAMES}
-    ctx.mark_non_differentiable(lse)
     if not ctx.with_entropy:
         ctx.mark_non_differentiable(entropy)
+    if not ctx.with_mean_logit:
+        ctx.mark_non_differentiable(mean_logit)
+    # Outputs the loss does not use get None (not zeros): no dL/dlse, dL/dentropy
+    # row term is handed to lce when nothing depends on it.
+    ctx.set_materialize_grads(False)
 
 
-def _logprobs_backward(ctx, grad_logprobs, grad_lse, grad_entropy):
+def _logprobs_backward(ctx, grad_logprobs, grad_lse, grad_entropy, grad_mean_logit):
     hidden, weight, targets, lse = ctx.saved_tensors
     if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
         return None, None, None
@@ -100,8 +112,10 @@ def _logprobs_backward(ctx, grad_logprobs, grad_lse, grad_entropy):
         grad_logprobs = torch.zeros_like(lse)
     if not ctx.with_entropy:
         grad_entropy = None
+    if not ctx.with_mean_logit:
+        grad_mean_logit = None
     grad_hidden, grad_weight = _ops.logprobs_backward(
-        grad_logprobs, grad_entropy, hidden, weight, targets, lse, **ctx.options
+        grad_logprobs, grad_entropy, hidden, weight, targets, lse, grad_lse, grad_mean_logit, **ctx.options
     )
     return (
         grad_hidden if ctx.needs_input_grad[0] else None,

@@ -34,35 +34,40 @@ def _check_tp(rank, world, group, dtype, sequence_parallel):
     a, b = SPLITS[world][rank], SPLITS[world][rank + 1]
     gl = torch.linspace(-1, 1, N, dtype=torch.float64)
     ge = torch.linspace(0.3, -0.6, N, dtype=torch.float64)
+    gq = torch.linspace(-0.2, 0.4, N, dtype=torch.float64)  # dL/dlse (a z-loss), ignored tokens included
 
     # One process, the whole weight.
     h1, w1 = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
-    logp1, ent1 = lce_torch.linear_logprobs(h1, w1, y, with_entropy=True)
-    ((logp1.double() * gl).sum() + (ent1.double() * ge).sum()).backward()
+    logp1, ent1, lse1 = lce_torch.linear_logprobs(h1, w1, y, with_entropy=True, return_lse=True)
+    ((logp1.double() * gl).sum() + (ent1.double() * ge).sum() + (lse1.double() * gq).sum()).backward()
 
     # This rank's shard (and, under sequence parallelism, its rows of hidden).
     rows = slice(rank * N // world, (rank + 1) * N // world) if sequence_parallel else slice(0, N)
     h2, w2 = h[rows].clone().requires_grad_(True), w[a:b].clone().requires_grad_(True)
-    logp2, ent2 = lce_torch.linear_logprobs(h2, w2, y, with_entropy=True, vocab_start=a, group=group,
-                                            sequence_parallel=sequence_parallel)
-    ((logp2.double() * gl).sum() + (ent2.double() * ge).sum()).backward()
+    logp2, ent2, lse2 = lce_torch.linear_logprobs(h2, w2, y, with_entropy=True, return_lse=True, vocab_start=a,
+                                                  group=group, sequence_parallel=sequence_parallel)
+    ((logp2.double() * gl).sum() + (ent2.double() * ge).sum() + (lse2.double() * gq).sum()).backward()
     _close(logp2, logp1, dtype, "logprobs", rank)
     _close(ent2, ent1, dtype, "entropy", rank)
+    _close(lse2, lse1, dtype, "lse", rank)
     _close(h2.grad, h1.grad[rows], dtype, "grad_hidden", rank)
     _close(w2.grad, w1.grad[a:b], dtype, "grad_weight shard", rank)
 
     if not sequence_parallel:
         # The fused cross-entropy (forward_backward) with the group.
-        for reduction in ("mean", "sum"):
+        # With label smoothing too: the mean logit is over the whole vocabulary.
+        for reduction, eps in (("mean", 0.0), ("sum", 0.0), ("mean", 0.2), ("sum", 0.3)):
             h3, w3 = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
-            loss1 = lce_torch.linear_cross_entropy(h3, w3, y, reduction=reduction)
+            loss1 = lce_torch.linear_cross_entropy(h3, w3, y, reduction=reduction, label_smoothing=eps)
             loss1.backward()
             h4, w4 = h.clone().requires_grad_(True), w[a:b].clone().requires_grad_(True)
-            loss2 = lce_torch.linear_cross_entropy(h4, w4, y, reduction=reduction, group=group, vocab_start=a)
+            loss2 = lce_torch.linear_cross_entropy(h4, w4, y, reduction=reduction, group=group, vocab_start=a,
+                                                   label_smoothing=eps)
             loss2.backward()
-            _close(loss2, loss1, dtype, f"{reduction} loss", rank)
-            _close(h4.grad, h3.grad, dtype, f"{reduction} grad_hidden", rank)
-            _close(w4.grad, w3.grad[a:b], dtype, f"{reduction} grad_weight", rank)
+            what = f"{reduction} eps {eps}"
+            _close(loss2, loss1, dtype, f"{what} loss", rank)
+            _close(h4.grad, h3.grad, dtype, f"{what} grad_hidden", rank)
+            _close(w4.grad, w3.grad[a:b], dtype, f"{what} grad_weight", rank)
         assert lce_torch.shard_vocab_start(group, b - a) == a
 
 

@@ -23,6 +23,15 @@ def test_opcheck_logprobs(dtype, with_entropy, requires_grad):
     torch.library.opcheck(torch.ops.lce.logprobs.default, (h, w, y), dict(with_entropy=with_entropy, **OPTS))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_opcheck_logprobs_mean_logit(dtype, with_entropy):
+    """The mean-logit output (label smoothing) and the differentiable lse."""
+    h, w, y = tensors(dtype, True)
+    torch.library.opcheck(torch.ops.lce.logprobs.default, (h, w, y),
+                          dict(with_entropy=with_entropy, with_mean_logit=True, **OPTS))
+
+
 def test_opcheck_logprobs_batched_int32_softcap():
     h, w, y = tensors(torch.float32, True, shape=(2, 5), target_dtype=torch.int32)
     opts = dict(OPTS, softcap=3.0, chunk_tokens=0)
@@ -31,25 +40,38 @@ def test_opcheck_logprobs_batched_int32_softcap():
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("with_entropy", [False, True])
-def test_opcheck_logprobs_backward(dtype, with_entropy):
+@pytest.mark.parametrize("row_terms", ["none", "lse", "lse+mean_logit"])
+def test_opcheck_logprobs_backward(dtype, with_entropy, row_terms):
     h, w, y = tensors(dtype, False)
-    _, lse, _ = torch.ops.lce.logprobs(h, w, y, **OPTS)
+    _, lse, _, _ = torch.ops.lce.logprobs(h, w, y, **OPTS)
     rdt = lse.dtype
     g = torch.randn(10, dtype=rdt)
     ge = torch.randn(10, dtype=rdt) if with_entropy else None
-    torch.library.opcheck(torch.ops.lce.logprobs_backward.default, (g, ge, h, w, y, lse), OPTS)
+    args = (g, ge, h, w, y, lse)
+    if row_terms != "none":
+        args += (torch.randn(10, dtype=rdt),)  # grad_lse (the ignored token's too)
+    if row_terms == "lse+mean_logit":
+        args += (torch.randn(10, dtype=rdt),)  # grad_mean_logit
+    torch.library.opcheck(torch.ops.lce.logprobs_backward.default, args, OPTS)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_opcheck_logprobs_forward_backward(dtype):
+@pytest.mark.parametrize("label_smoothing", [False, True])
+def test_opcheck_logprobs_forward_backward(dtype, label_smoothing):
     h, w, y = tensors(dtype, False)
-    g = torch.randn(10, dtype=torch.float64 if dtype == torch.float64 else torch.float32)
-    torch.library.opcheck(torch.ops.lce.logprobs_forward_backward.default, (h, w, y, g), OPTS)
+    rdt = torch.float64 if dtype == torch.float64 else torch.float32
+    g = torch.randn(10, dtype=rdt)
+    if not label_smoothing:
+        torch.library.opcheck(torch.ops.lce.logprobs_forward_backward.default, (h, w, y, g), OPTS)
+    else:
+        c = torch.rand(10, dtype=rdt)
+        torch.library.opcheck(torch.ops.lce.logprobs_forward_backward.default, (h, w, y, -0.9 * c, 0.1 * c, -0.1 * c),
+                              dict(with_mean_logit=True, **OPTS))
 
 
 def test_gradient_ops_refuse_double_backward():
     h, w, y = tensors(torch.float64, True)
     g = torch.randn(10, dtype=torch.float64)
-    _, dx, dw = torch.ops.lce.logprobs_forward_backward(h, w, y, g)
+    _, dx, dw, _, _ = torch.ops.lce.logprobs_forward_backward(h, w, y, g)
     with pytest.raises(NotImplementedError, match="no double backward"):
         (dx.sum() + dw.sum()).backward()

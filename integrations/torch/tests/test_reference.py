@@ -112,8 +112,10 @@ def test_linear_cross_entropy_against_torch(dtype, reduction, class_weight, fuse
 
 def test_linear_cross_entropy_unsupported_arguments():
     h, w, y = make(4, 8, 11)
-    with pytest.raises(NotImplementedError, match="label_smoothing"):
-        lce_torch.linear_cross_entropy(h, w, y, label_smoothing=0.1)
+    with pytest.raises(NotImplementedError, match="label_smoothing together with weight"):
+        lce_torch.linear_cross_entropy(h, w, y, label_smoothing=0.1, weight=torch.ones(11))
+    with pytest.raises(ValueError, match="label_smoothing must be between"):
+        lce_torch.linear_cross_entropy(h, w, y, label_smoothing=1.5)
     with pytest.raises(NotImplementedError, match="linear_bias"):
         lce_torch.linear_cross_entropy(h, w, y, linear_bias=torch.zeros(11))
     with pytest.raises(ValueError, match="reduction"):
