@@ -22,6 +22,7 @@
 #include <lce/core/config.hpp>
 #include <lce/core/dtypes.hpp>
 #include <lce/core/options.hpp>
+#include <lce/core/row_terms.hpp>
 #include <lce/core/views.hpp>
 #include <lce/detail/engine.hpp>
 #include <lce/host/host.hpp>
@@ -54,9 +55,11 @@ class ChunkedHiddenToLogprobs {
                const Lse& lse) {
     detail::deferred_failure failure;
     const auto in = failure([&] { return inputs(hidden, weight, targets); });
-    const auto lp = failure([&] { return result(logprobs, "logprobs"); });
-    const auto ls = failure([&] { return result(lse, "lse"); });
-    engine_.forward(failure, in, lp, ls, vector_view<compute_type>{}, false);
+    detail::row_output_views<value_of<Logprobs>, value_of<Lse>, compute_type, compute_type> out;
+    out.logprobs = failure([&] { return result(logprobs, "logprobs"); });
+    out.lse = failure([&] { return result(lse, "lse"); });
+    out.has_logprobs = out.has_lse = true;
+    engine_.forward(failure, in, out);
   }
 
   template <matrix_like Hidden, matrix_like Weight, vector_like Targets, vector_like Logprobs, vector_like Lse,
@@ -65,10 +68,21 @@ class ChunkedHiddenToLogprobs {
                const Lse& lse, const Entropy& entropy) {
     detail::deferred_failure failure;
     const auto in = failure([&] { return inputs(hidden, weight, targets); });
-    const auto lp = failure([&] { return result(logprobs, "logprobs"); });
-    const auto ls = failure([&] { return result(lse, "lse"); });
-    const auto en = failure([&] { return result(entropy, "entropy"); });
-    engine_.forward(failure, in, lp, ls, en, true);
+    detail::row_output_views<value_of<Logprobs>, value_of<Lse>, value_of<Entropy>, compute_type> out;
+    out.logprobs = failure([&] { return result(logprobs, "logprobs"); });
+    out.lse = failure([&] { return result(lse, "lse"); });
+    out.entropy = failure([&] { return result(entropy, "entropy"); });
+    out.has_logprobs = out.has_lse = out.has_entropy = true;
+    engine_.forward(failure, in, out);
+  }
+
+  // Any of log-probs, lse, entropy and mean logit (lce::row_outputs: the
+  // empty ones are not computed).
+  template <matrix_like Hidden, matrix_like Weight, vector_like Targets, result_type E>
+  void forward(const Hidden& hidden, const Weight& weight, const Targets& targets, const row_outputs<E>& outputs) {
+    detail::deferred_failure failure;
+    const auto in = failure([&] { return inputs(hidden, weight, targets); });
+    engine_.forward(failure, in, output_views(outputs));
   }
 
   // Given lse from forward and dL/dlogprobs: grad_hidden OVERWRITTEN, grad_weight ACCUMULATED (+=).
@@ -79,11 +93,12 @@ class ChunkedHiddenToLogprobs {
     detail::deferred_failure failure;
     const auto in = failure([&] { return inputs(hidden, weight, targets); });
     const auto ls = failure([&] { return given(lse, "lse"); });
-    const auto gl = failure([&] { return given(grad_logprobs, "grad_logprobs"); });
+    detail::row_gradient_views<value_of<GradLogprobs>, compute_type, compute_type, compute_type> grads;
+    grads.logprobs = failure([&] { return given(grad_logprobs, "grad_logprobs"); });
+    grads.has_logprobs = true;
     const auto gx = failure([&] { return gradient(grad_hidden, "grad_hidden"); });
     const auto gw = failure([&] { return gradient(grad_weight, "grad_weight"); });
-    engine_.backward(failure, in, ls, gl, vector_view<const compute_type>{}, false, vector_view<const compute_type>{},
-                     false, gx, gw);
+    engine_.backward(failure, in, ls, grads, gx, gw);
   }
 
   // As above, with dL/dentropy as well.
@@ -95,29 +110,27 @@ class ChunkedHiddenToLogprobs {
     detail::deferred_failure failure;
     const auto in = failure([&] { return inputs(hidden, weight, targets); });
     const auto ls = failure([&] { return given(lse, "lse"); });
-    const auto gl = failure([&] { return given(grad_logprobs, "grad_logprobs"); });
-    const auto ge = failure([&] { return given(grad_entropy, "grad_entropy"); });
+    detail::row_gradient_views<value_of<GradLogprobs>, value_of<GradEntropy>, compute_type, compute_type> grads;
+    grads.logprobs = failure([&] { return given(grad_logprobs, "grad_logprobs"); });
+    grads.entropy = failure([&] { return given(grad_entropy, "grad_entropy"); });
+    grads.has_logprobs = grads.has_entropy = true;
     const auto gx = failure([&] { return gradient(grad_hidden, "grad_hidden"); });
     const auto gw = failure([&] { return gradient(grad_weight, "grad_weight"); });
-    engine_.backward(failure, in, ls, gl, ge, true, vector_view<const compute_type>{}, false, gx, gw);
+    engine_.backward(failure, in, ls, grads, gx, gw);
   }
 
-  // As above, with dL/dlse as well (a z-loss lambda lse^2 gives 2 lambda lse):
-  // dz gains grad_lse p. An empty grad_entropy (size 0) leaves the entropy term out.
-  template <matrix_like Hidden, matrix_like Weight, vector_like Targets, vector_like Lse, vector_like GradLogprobs,
-            vector_like GradEntropy, vector_like GradLse, matrix_like GradHidden, matrix_like GradWeight>
+  // As above, with any of dL/dlogprobs, dL/dentropy, dL/dlse (a z-loss) and
+  // dL/d(mean logit) (label smoothing) (lce::row_gradients: empty ones are 0).
+  template <matrix_like Hidden, matrix_like Weight, vector_like Targets, vector_like Lse, result_type E,
+            matrix_like GradHidden, matrix_like GradWeight>
   void backward(const Hidden& hidden, const Weight& weight, const Targets& targets, const Lse& lse,
-                const GradLogprobs& grad_logprobs, const GradEntropy& grad_entropy, const GradLse& grad_lse,
-                const GradHidden& grad_hidden, const GradWeight& grad_weight) {
+                const row_gradients<E>& gradients, const GradHidden& grad_hidden, const GradWeight& grad_weight) {
     detail::deferred_failure failure;
     const auto in = failure([&] { return inputs(hidden, weight, targets); });
     const auto ls = failure([&] { return given(lse, "lse"); });
-    const auto gl = failure([&] { return given(grad_logprobs, "grad_logprobs"); });
-    const auto ge = failure([&] { return given(grad_entropy, "grad_entropy"); });
-    const auto gz = failure([&] { return given(grad_lse, "grad_lse"); });
     const auto gx = failure([&] { return gradient(grad_hidden, "grad_hidden"); });
     const auto gw = failure([&] { return gradient(grad_weight, "grad_weight"); });
-    engine_.backward(failure, in, ls, gl, ge, ge.size != 0, gz, true, gx, gw);
+    engine_.backward(failure, in, ls, gradient_views(gradients), gx, gw);
   }
 
   // One sweep when dL/dlogprobs is known before the forward (NLL, weighted CE):
@@ -129,34 +142,30 @@ class ChunkedHiddenToLogprobs {
                         const GradWeight& grad_weight) {
     detail::deferred_failure failure;
     const auto in = failure([&] { return inputs(hidden, weight, targets); });
-    const auto gl = failure([&] { return given(grad_logprobs, "grad_logprobs"); });
-    const auto lp = failure([&] { return result(logprobs, "logprobs"); });
+    detail::row_gradient_views<value_of<GradLogprobs>, compute_type, compute_type, compute_type> grads;
+    grads.logprobs = failure([&] { return given(grad_logprobs, "grad_logprobs"); });
+    grads.has_logprobs = true;
+    detail::row_output_views<value_of<Logprobs>, compute_type, compute_type, compute_type> out;
+    out.logprobs = failure([&] { return result(logprobs, "logprobs"); });
+    out.has_logprobs = true;
     const auto gx = failure([&] { return gradient(grad_hidden, "grad_hidden"); });
     const auto gw = failure([&] { return gradient(grad_weight, "grad_weight"); });
-    engine_.forward_backward(failure, in, gl, vector_view<const compute_type>{}, lp, vector_view<compute_type>{},
-                             vector_view<compute_type>{}, false, gx, gw);
+    engine_.forward_backward(failure, in, grads, out, gx, gw);
   }
 
-  // As above, also returning lse and entropy and taking dL/dentropy known
-  // before the forward (an entropy bonus with fixed coefficients, entropy
-  // logging): still one sweep of 3 GEMMs per chunk.
-  template <matrix_like Hidden, matrix_like Weight, vector_like Targets, vector_like GradLogprobs,
-            vector_like GradEntropy, vector_like Logprobs, vector_like Lse, vector_like Entropy, matrix_like GradHidden,
-            matrix_like GradWeight>
+  // As above with any of the row terms known before the forward (label
+  // smoothing: dL/dlse and dL/d(mean logit) are constants; an entropy bonus
+  // with fixed coefficients) and any of the outputs: still one sweep of 3 GEMMs.
+  template <matrix_like Hidden, matrix_like Weight, vector_like Targets, result_type E, result_type F,
+            matrix_like GradHidden, matrix_like GradWeight>
   void forward_backward(const Hidden& hidden, const Weight& weight, const Targets& targets,
-                        const GradLogprobs& grad_logprobs, const GradEntropy& grad_entropy, const Logprobs& logprobs,
-                        const Lse& lse, const Entropy& entropy, const GradHidden& grad_hidden,
-                        const GradWeight& grad_weight) {
+                        const row_gradients<E>& gradients, const row_outputs<F>& outputs,
+                        const GradHidden& grad_hidden, const GradWeight& grad_weight) {
     detail::deferred_failure failure;
     const auto in = failure([&] { return inputs(hidden, weight, targets); });
-    const auto gl = failure([&] { return given(grad_logprobs, "grad_logprobs"); });
-    const auto ge = failure([&] { return given(grad_entropy, "grad_entropy"); });
-    const auto lp = failure([&] { return result(logprobs, "logprobs"); });
-    const auto ls = failure([&] { return result(lse, "lse"); });
-    const auto en = failure([&] { return result(entropy, "entropy"); });
     const auto gx = failure([&] { return gradient(grad_hidden, "grad_hidden"); });
     const auto gw = failure([&] { return gradient(grad_weight, "grad_weight"); });
-    engine_.forward_backward(failure, in, gl, ge, lp, ls, en, true, gx, gw);
+    engine_.forward_backward(failure, in, gradient_views(gradients), output_views(outputs), gx, gw);
   }
 
   // Bytes of scratch the calls above allocate for these sizes: the sweep's
@@ -204,6 +213,26 @@ class ChunkedHiddenToLogprobs {
   static auto given(const View& view, const char* name) {
     static_assert(result_type<value_of<View>>, "lse, grad_logprobs and grad_entropy must hold float or double");
     return vector_view<const value_of<View>>(detail::to_vector_view(view, name));
+  }
+
+  template <class E>
+  static auto output_views(const row_outputs<E>& o) {
+    detail::row_output_views<E, E, E, E> out{o.logprobs, o.lse, o.entropy, o.mean_logit};
+    out.has_logprobs = o.logprobs.size != 0;
+    out.has_lse = o.lse.size != 0;
+    out.has_entropy = o.entropy.size != 0;
+    out.has_mean_logit = o.mean_logit.size != 0;
+    return out;
+  }
+
+  template <class E>
+  static auto gradient_views(const row_gradients<E>& g) {
+    detail::row_gradient_views<E, E, E, E> grads{g.logprobs, g.entropy, g.lse, g.mean_logit};
+    grads.has_logprobs = g.logprobs.size != 0;
+    grads.has_entropy = g.entropy.size != 0;
+    grads.has_lse = g.lse.size != 0;
+    grads.has_mean_logit = g.mean_logit.size != 0;
+    return grads;
   }
 
   // Gradient outputs: float or T (double for T = double), writable.

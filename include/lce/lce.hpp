@@ -14,6 +14,7 @@
 #include <lce/core/dtypes.hpp>
 #include <lce/core/error.hpp>
 #include <lce/core/options.hpp>
+#include <lce/core/row_terms.hpp>
 #include <lce/core/views.hpp>
 #include <lce/host/host.hpp>
 #include <lce/loss/token_count.hpp>

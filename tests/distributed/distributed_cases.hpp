@@ -176,7 +176,7 @@ struct call_shape {
 //     status, N, H, vocab_start, V_local); when the shard layout is not known
 //     yet (first call, or any rank's shard changed): + 1 all_agree on the targets;
 //   per chunk: forward 1 all_gather_bytes of the rows' (max, sum, target logit,
-//     entropy sum) tuples; backward 1 dX reduction, plus 1 all_reduce_sum of
+//     entropy sum, logit sum) tuples; backward 1 dX reduction, plus 1 all_reduce_sum of
 //     E_p[z] with grad_entropy; forward_backward 1 all_gather_bytes + 1 dX reduction;
 //   sequence parallel: + 1 all_gather_bytes of the chunk's hidden rows per chunk,
 //     and the dX reduction is a reduce_scatter_sum instead of an all_reduce_sum;
@@ -206,7 +206,7 @@ inline collective_counts expected_collectives(call_kind kind, const call_shape& 
     }
     if (kind == call_kind::forward || kind == call_kind::forward_backward) {
       ++e.all_gather_bytes;
-      e.gathered_bytes += rows * 4 * a;  // one (m, s, z_y, sz) tuple per row
+      e.gathered_bytes += rows * 5 * a;  // one (m, s, z_y, sz, sum z) tuple per row
     }
     if (kind == call_kind::backward_with_entropy) {
       ++e.all_reduce_sum;

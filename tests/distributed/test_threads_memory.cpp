@@ -19,7 +19,10 @@
 
 namespace {
 
-constexpr std::int64_t slack = std::int64_t{64} << 10;
+// Small allocations around a call (views, the agreement's records), and, with
+// the host's oneDNN bf16 GEMMs, the primitives oneDNN creates on a thread's
+// first use of a shape (kept in a per-thread cache of at most 32 entries).
+constexpr std::int64_t slack = (std::int64_t{64} << 10) + (LCE_HOST_BF16_GEMM_ONEDNN ? std::int64_t{512} << 10 : 0);
 
 template <class T>
 void sequence_parallel_memory(lce::comm::threads comm) {
@@ -58,7 +61,8 @@ void sequence_parallel_memory(lce::comm::threads comm) {
   const std::string where = std::string("T=") + lce_dist::type_name<T>() + ", rank " + std::to_string(rank) + "/" +
                             std::to_string(ranks) + " (V_local " + std::to_string(vr) + "), workspace_bytes " +
                             std::to_string(workspace) + ": ";
-  CHECK_MESSAGE(workspace < full_hidden_fp32 / 4, where << "the workspace itself is not far below N x H x 4 = "
+  // (For bf16 the workspace includes the fp32 [V_local, H] dW accumulator.)
+  CHECK_MESSAGE(workspace < full_hidden_fp32 / 3, where << "the workspace itself is not far below N x H x 4 = "
                                                         << full_hidden_fp32);
 
   const std::int64_t life_base = lce_support::allocations::thread_current();

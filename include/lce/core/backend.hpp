@@ -71,6 +71,7 @@ struct statistics_args {
   detail::soft_cap_map<Compute> soft_cap;  // raw logits in; capped and tempered out (disabled: none)
   bool with_entropy = false;       // also sum exp(z - max)(z - max)
   bool keep_exp = false;           // overwrite logits with exp(z - max) (no soft-cap only)
+  bool with_logit_sum = false;     // also sum z (for the mean logit), before keep_exp overwrites it
   detail::row_partial<Compute>* partials = nullptr;  // out [rows]
 };
 
@@ -84,6 +85,8 @@ struct finalize_args {
   Compute* lse = nullptr;       // out [rows]
   Compute* entropy = nullptr;   // out [rows]
   Compute* mean_centred = nullptr;  // out [rows]: E_p[z] - lse = -entropy, the entropy gradient's row term
+  Compute* mean_logit = nullptr;    // out [rows]: sum z / V (partials kept with_logit_sum); ignored rows 0
+  Compute inverse_vocab = 0;        // 1 / V, the whole vocabulary
 };
 
 // Turns a logit block into dL/dlogits in place. Rows whose target is ignored
@@ -102,6 +105,8 @@ struct gradient_args {
   const Compute* grad_entropy = nullptr;        // [rows] or null
   const Compute* mean_centred_logit = nullptr;  // [rows] E_p[z] - lse; needed with grad_entropy
   const Compute* grad_lse = nullptr;            // [rows] or null: dL/dlse (a z-loss), adds grad_lse p
+  const Compute* grad_mean_logit = nullptr;     // [rows] or null: dL/d(mean logit) (label smoothing), adds it / V
+  Compute inverse_vocab = 0;                    // 1 / V, the whole vocabulary (with grad_mean_logit)
   const detail::row_partial<Compute>* exp_row_max = nullptr;  // [rows] or null: see above
   // When set, dz goes here in the backend's GEMM operand type (same ld as
   // the logit block) and the block itself is left as it was: set only for a

@@ -31,6 +31,16 @@
 #define LCE_END_SIMD_PACKS
 #endif
 
+// The host backend's bf16 GEMMs through oneDNN (CMake: LCE_BF16_GEMM), in C++
+// translation units only: oneDNN's headers stop nvcc 13's front end (an
+// internal error), so CUDA translation units keep the widening path for a
+// host-side bf16 weight (same results up to fp32 rounding of the products).
+#if defined(LCE_BF16_GEMM_ONEDNN) && !defined(__CUDACC__)
+#define LCE_HOST_BF16_GEMM_ONEDNN 1
+#else
+#define LCE_HOST_BF16_GEMM_ONEDNN 0
+#endif
+
 // A versioned inline namespace (as CUB does) keeps two shared libraries built
 // against different lce versions from silently sharing one instantiation.
 #define LCE_ABI_NAMESPACE v0_1

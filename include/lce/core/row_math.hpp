@@ -134,12 +134,14 @@ struct row_partial {
   A sum_exp = 0;          // s = sum exp(z - max)
   A sum_exp_offset = 0;   // t = sum exp(z - max) (z - max)
   A target_logit = 0;
+  A sum_logit = 0;        // sum z (the mean logit's numerator; kept only when asked for)
 };
 
 template <class A>
 LCE_HOST_DEVICE inline row_partial<A> merge(const row_partial<A>& a, const row_partial<A>& b) {
-  if (b.sum_exp == A(0)) return {a.max, a.sum_exp, a.sum_exp_offset, a.target_logit + b.target_logit};
-  if (a.sum_exp == A(0)) return {b.max, b.sum_exp, b.sum_exp_offset, a.target_logit + b.target_logit};
+  const A target_logit = a.target_logit + b.target_logit, sum_logit = a.sum_logit + b.sum_logit;
+  if (b.sum_exp == A(0)) return {a.max, a.sum_exp, a.sum_exp_offset, target_logit, sum_logit};
+  if (a.sum_exp == A(0)) return {b.max, b.sum_exp, b.sum_exp_offset, target_logit, sum_logit};
   const A max = a.max > b.max ? a.max : b.max;
   const A shift_a = a.max - max;  // <= 0
   const A shift_b = b.max - max;
@@ -148,7 +150,7 @@ LCE_HOST_DEVICE inline row_partial<A> merge(const row_partial<A>& a, const row_p
   // Re-centre t on the new maximum: sum e^(z-M)(z-M) = scale * (t + (m - M) s).
   return {max, a.sum_exp * scale_a + b.sum_exp * scale_b,
           scale_a * (a.sum_exp_offset + shift_a * a.sum_exp) + scale_b * (b.sum_exp_offset + shift_b * b.sum_exp),
-          a.target_logit + b.target_logit};
+          target_logit, sum_logit};
 }
 
 template <class A>
@@ -177,6 +179,22 @@ LCE_HOST_DEVICE inline row_result<A> finalize(const row_partial<A>& row, bool ig
 template <class P, class A>
 LCE_HOST_DEVICE LCE_ALWAYS_INLINE P logit_gradient(P p, P centred, A grad_logprob, A grad_entropy, A mean_centred) {
   return p * ((mean_centred - centred) * grad_entropy - grad_logprob);
+}
+
+// The row terms of a loss beyond log p(y) and the entropy, folded into the
+// two numbers the per-logit gradient needs: dlse/dz = p, so dL/dlse joins the
+// -g of every logit (the target keeps its +g); d(mean logit)/dz = 1/V, the
+// same for every logit.
+template <class A>
+struct extra_row_terms {
+  A grad_logprob_of_p;  // g - dL/dlse: what multiplies -p
+  A uniform;            // dL/d(mean logit) / V: added to every logit's gradient
+};
+
+template <class A>
+LCE_HOST_DEVICE inline extra_row_terms<A> fold_row_terms(A grad_logprob, A grad_lse, A grad_mean_logit,
+                                                         A inverse_vocab) {
+  return {grad_logprob - grad_lse, grad_mean_logit * inverse_vocab};
 }
 
 }  // namespace detail

@@ -29,6 +29,7 @@
 #include <lce/cuda/detail/launch_shape.hpp>
 #include <lce/cuda/detail/row_kernels.cuh>
 #include <lce/cuda/error.cuh>
+#include <lce/detail/workspace.hpp>
 
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
@@ -38,13 +39,15 @@
 #include <cstdint>
 #include <memory>
 #include <new>
+#include <utility>
+#include <vector>
 
 LCE_BEGIN_NAMESPACE
 
 struct cuda_backend_options {
   // fp32 inputs: let cuBLAS use TF32 tensor cores (10-bit mantissa products).
   bool allow_tf32 = false;
-  // A device buffer the operator's scratch is carved from instead of
+  // A device buffer (64-byte aligned) the operator's scratch is carved from instead of
   // stream-ordered allocations (size it with the operator's workspace_bytes).
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
@@ -61,7 +64,6 @@ class cuda_backend {
   static constexpr bool reuses_exp_block = false;
   // cublasGemmEx counts in int.
   static constexpr std::int64_t max_gemm_extent = INT_MAX;
-  static constexpr std::size_t alignment = 256;
 
   explicit cuda_backend(cudaStream_t stream, cuda_backend_options opt = {})
       : state_(std::make_unique<state>(stream, opt)) {}
@@ -257,8 +259,7 @@ class cuda_backend {
     cublasHandle_t handle = nullptr;
     detail::cuda_kernels::target_extremes* scan_result = nullptr;  // device
     detail::cuda_kernels::target_extremes* scan_host = nullptr;    // pinned
-    std::size_t carved = 0;  // bytes of options.workspace in use
-    int live = 0;            // blocks carved and not given back
+    std::vector<std::pair<std::size_t, std::size_t>> carved;  // [offset, end) of options.workspace in use, by offset
 
     state(cudaStream_t s, cuda_backend_options opt) : stream(s), options(opt) {
       try {
@@ -287,16 +288,30 @@ class cuda_backend {
       scan_host = nullptr;
     }
 
-    // The caller's buffer, handed out front to back; reused once every block is back.
+    // The caller's buffer, first fit: the operator holds at most two blocks
+    // (the sweep's scratch and a 2-byte grad_weight's accumulator) and
+    // regrows one while the other lives. 64-byte alignment, as the
+    // operator's own plan (workspace_bytes counts no more slack than that).
     void* carve(std::size_t bytes) {
-      const std::size_t at = (carved + alignment - 1) / alignment * alignment;
+      constexpr std::size_t align = detail::workspace_alignment;
+      std::size_t at = 0;
+      auto next = carved.begin();
+      for (; next != carved.end(); ++next) {
+        if (next->first >= at && next->first - at >= bytes) break;
+        at = (next->second + align - 1) / align * align;
+      }
       if (at > options.workspace_bytes || bytes > options.workspace_bytes - at) throw std::bad_alloc();
-      carved = at + bytes;
-      ++live;
+      carved.insert(next, {at, at + bytes});
       return static_cast<char*>(options.workspace) + at;
     }
-    void give_back(void*) noexcept {
-      if (live > 0 && --live == 0) carved = 0;
+    void give_back(void* pointer) noexcept {
+      const auto offset = static_cast<std::size_t>(static_cast<char*>(pointer) - static_cast<char*>(options.workspace));
+      for (auto block = carved.begin(); block != carved.end(); ++block) {
+        if (block->first == offset) {
+          carved.erase(block);
+          return;
+        }
+      }
     }
   };
 

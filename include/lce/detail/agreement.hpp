@@ -27,17 +27,41 @@
 LCE_BEGIN_NAMESPACE
 namespace detail {
 
-// Which call a rank is making.
-enum class call_kind : std::int64_t {
-  forward = 1,
-  forward_with_entropy,
-  backward,
-  backward_with_entropy,
-  forward_backward,
-  forward_backward_with_entropy,
-  backward_with_lse,
-  backward_with_entropy_and_lse
-};
+// Which call a rank is making; the record's `call` is the kind plus, from
+// bit 8 up, which optional per-token vectors it has (row_terms.hpp masks).
+enum class call_kind : std::int64_t { forward = 1, backward = 3, forward_backward = 5 };
+
+// "forward(logprobs, lse, entropy)" for a record's `call`, for error messages.
+inline std::string describe_call(std::int64_t call) {
+  static constexpr const char* outputs[] = {"logprobs", "lse", "entropy", "mean_logit"};
+  static constexpr const char* gradients[] = {"grad_logprobs", "grad_entropy", "grad_lse", "grad_mean_logit"};
+  const std::int64_t kind = call & 0xff, terms = call >> 8;
+  std::string text;
+  std::int64_t output_bits = 0, gradient_bits = 0;
+  if (kind == static_cast<std::int64_t>(call_kind::forward)) {
+    text = "forward(";
+    output_bits = terms;
+  } else if (kind == static_cast<std::int64_t>(call_kind::backward)) {
+    text = "backward(lse, ";
+    gradient_bits = terms;
+  } else {
+    text = "forward_backward(";
+    gradient_bits = terms & 0xf;
+    output_bits = terms >> 4;
+  }
+  bool first = true;
+  const auto list = [&](const char* const* names, std::int64_t bits) {
+    for (int k = 0; k < 4; ++k) {
+      if (!(bits >> k & 1)) continue;
+      text += first ? "" : ", ";
+      text += names[k];
+      first = false;
+    }
+  };
+  list(gradients, gradient_bits);
+  list(outputs, output_bits);
+  return text + ")";
+}
 
 // What one rank tells the others about a call (host values).
 struct call_record {
@@ -119,8 +143,10 @@ class rank_agreement {
     same_on_every_rank(records, &call_record::ignore_index, "options.ignore_index", "");
     same_float_on_every_rank(records, &call_record::temperature_bits, "options.temperature");
     same_float_on_every_rank(records, &call_record::softcap_bits, "options.softcap");
-    same_on_every_rank(records, &call_record::call, "the call (1 forward, 2 forward with entropy, 3 backward, "
-                       "4 backward with entropy, 5 forward_backward)", "every rank must make the same call");
+    for (std::size_t r = 1; r < records.size(); ++r)
+      expects(records[r].call == records[0].call, "the call differs across ranks: rank 0 makes ",
+              describe_call(records[0].call), ", rank ", r, " makes ", describe_call(records[r].call),
+              ": every rank must make the same call, with the same per-token vectors");
     same_on_every_rank(records, &call_record::targets_hash, "targets: the hash of the target ids",
                        "every rank must pass the same N targets, in the same order");
 

@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
+#include <vector>
 
 LCE_BEGIN_NAMESPACE
 namespace detail {
@@ -87,7 +88,8 @@ inline bool overlap(const byte_range& a, const byte_range& b) {
 }
 
 // No output may overlap an input or another output.
-inline void check_no_alias(std::initializer_list<byte_range> inputs, std::initializer_list<byte_range> outputs) {
+template <class Inputs, class Outputs>
+void check_no_alias_in(const Inputs& inputs, const Outputs& outputs) {
   for (auto output = outputs.begin(); output != outputs.end(); ++output) {
     for (const auto& input : inputs)
       expects(!overlap(*output, input), output->name, " overlaps the input ", input.name,
@@ -96,6 +98,12 @@ inline void check_no_alias(std::initializer_list<byte_range> inputs, std::initia
       expects(!overlap(*output, *other), output->name, " overlaps the output ", other->name,
               ": outputs must not alias each other");
   }
+}
+inline void check_no_alias(std::initializer_list<byte_range> inputs, std::initializer_list<byte_range> outputs) {
+  check_no_alias_in(inputs, outputs);
+}
+inline void check_no_alias(const std::vector<byte_range>& inputs, const std::vector<byte_range>& outputs) {
+  check_no_alias_in(inputs, outputs);
 }
 
 // Targets are global ids in [0, vocab) or ignore_index.

@@ -22,6 +22,7 @@
 #include <lce/core/views.hpp>
 #include <lce/detail/agreement.hpp>
 #include <lce/detail/arguments.hpp>
+#include <lce/detail/row_terms.hpp>
 #include <lce/detail/sweep.hpp>
 #include <lce/detail/workspace.hpp>
 
@@ -30,10 +31,12 @@
 #include <climits>
 #include <cstddef>
 #include <cstdint>
+#include <initializer_list>
 #include <new>
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 LCE_BEGIN_NAMESPACE
 namespace detail {
@@ -208,74 +211,56 @@ class engine {
 
   // ---- forward -------------------------------------------------------------
 
-  template <class Index, class ElementLogprobs, class ElementLse, class ElementEntropy>
+  template <class Index, class Logprobs, class Lse, class Entropy, class MeanLogit>
   void forward(const deferred_failure& conversion, const operator_inputs<T, Index>& in,
-               vector_view<ElementLogprobs> logprobs, vector_view<ElementLse> lse, vector_view<ElementEntropy> entropy,
-               bool with_entropy) {
+               const row_output_views<Logprobs, Lse, Entropy, MeanLogit>& out) {
     exclusive_call busy(busy_, "forward");
-    const auto kind = with_entropy ? call_kind::forward_with_entropy : call_kind::forward;
-    const auto call = prepare(conversion, in, kind, no_weight_gradient, [&](std::int64_t n) {
-      check_rows(logprobs, "logprobs", n, "targets");
-      check_rows(lse, "lse", n, "targets");
-      if (with_entropy) check_rows(entropy, "entropy", n, "targets");
-      check_no_alias({hidden_bytes(in), weight_bytes(in), target_bytes(in)},
-                     {bytes_of(logprobs, "logprobs"), bytes_of(lse, "lse"), bytes_of(entropy, "entropy")});
-    });
+    const auto call = prepare(conversion, in, call_kind::forward, out.mask(), no_weight_gradient,
+                              [&](std::int64_t n) { check_outputs(in, out, n, {}); });
     if (in.targets.size == 0) return;
     [[maybe_unused]] const auto backend_call = begin_backend_call();
-    sweep_type sweep(comm_, backend_, options_, call.plan, call.workspace);
+    sweep_type sweep(comm_, backend_, options_, call.plan, call.workspace, call.vocab);
     sweep.run(in, [&](const auto& c) {
-      sweep.forward_statistics(c, with_entropy, /*keep_exp=*/false);
-      sweep.scatter_rows(c, row_logprobs, logprobs);
-      sweep.scatter_rows(c, row_lse, lse);
-      if (with_entropy) sweep.scatter_rows(c, row_entropy, entropy);
+      sweep.forward_statistics(c, out.has_entropy, /*keep_exp=*/false, out.has_mean_logit);
+      scatter_outputs(sweep, c, out);
     });
   }
 
   // ---- backward ------------------------------------------------------------
 
-  // grad_entropy (with_entropy) and grad_lse (with_lse) are optional row terms.
-  template <class Index, class ElementLse, class ElementGradLogprobs, class ElementGradEntropy, class ElementGradLse,
+  // Given lse from forward and the loss's gradients: grad_hidden overwritten,
+  // grad_weight accumulated. 3 GEMMs per chunk (the logits again).
+  template <class Index, class ElementLse, class GradLogprobs, class GradEntropy, class GradLse, class GradMeanLogit,
             class GradHidden, class GradWeight>
   void backward(const deferred_failure& conversion, const operator_inputs<T, Index>& in,
-                vector_view<const ElementLse> lse, vector_view<const ElementGradLogprobs> grad_logprobs,
-                vector_view<const ElementGradEntropy> grad_entropy, bool with_entropy,
-                vector_view<const ElementGradLse> grad_lse, bool with_lse, matrix_view<GradHidden> grad_hidden,
-                matrix_view<GradWeight> grad_weight) {
+                vector_view<const ElementLse> lse,
+                const row_gradient_views<GradLogprobs, GradEntropy, GradLse, GradMeanLogit>& grads,
+                matrix_view<GradHidden> grad_hidden, matrix_view<GradWeight> grad_weight) {
     exclusive_call busy(busy_, "backward");
-    const auto kind = with_lse ? (with_entropy ? call_kind::backward_with_entropy_and_lse : call_kind::backward_with_lse)
-                               : (with_entropy ? call_kind::backward_with_entropy : call_kind::backward);
-    const auto call = prepare(conversion, in, kind, grad_weight, [&](std::int64_t n) {
+    const auto call = prepare(conversion, in, call_kind::backward, grads.mask(), grad_weight, [&](std::int64_t n) {
       check_rows(lse, "lse", n, "targets");
-      check_rows(grad_logprobs, "grad_logprobs", n, "targets");
-      if (with_entropy) check_rows(grad_entropy, "grad_entropy", n, "targets");
-      if (with_lse) check_rows(grad_lse, "grad_lse", n, "targets");
+      check_given(grads, n);
       check_gradients(in, grad_hidden, grad_weight);
       check_no_alias({hidden_bytes(in), weight_bytes(in), target_bytes(in), bytes_of(lse, "lse"),
-                      bytes_of(grad_logprobs, "grad_logprobs"), bytes_of(grad_entropy, "grad_entropy"),
-                      bytes_of(grad_lse, "grad_lse")},
+                      bytes_of(grads.logprobs, "grad_logprobs"), bytes_of(grads.entropy, "grad_entropy"),
+                      bytes_of(grads.lse, "grad_lse"), bytes_of(grads.mean_logit, "grad_mean_logit")},
                      {bytes_of(grad_hidden, "grad_hidden"), bytes_of(grad_weight, "grad_weight")});
     });
     if (in.targets.size == 0) return;
     [[maybe_unused]] const auto backend_call = begin_backend_call();
     const auto weight_gradient = begin_weight_gradient(call, grad_weight);
-    sweep_type sweep(comm_, backend_, options_, call.plan, call.workspace);
+    sweep_type sweep(comm_, backend_, options_, call.plan, call.workspace, call.vocab);
     sweep.run(in, [&](const auto& c) {
       using Chunk_ = std::remove_cvref_t<decltype(c)>;
       sweep.recompute_logits(c);
       sweep.gather_rows(c, lse, row_lse);
-      sweep.gather_rows(c, grad_logprobs, row_grad_logprobs);
-      if (with_entropy) {
-        sweep.gather_rows(c, grad_entropy, row_grad_entropy);
+      auto args = gather_given(sweep, c, grads);
+      if (grads.has_entropy) {
         backend_.mean_centred_logits(mean_centred_logit_args<Compute, typename Chunk_::index>{
             c.logits, c.targets, options_.ignore_index, c.row(row_lse), c.row(row_mean_centred)});
         if (comm_.size() > 1) comm_.all_reduce_sum(c.row(row_mean_centred), c.rows);
+        args.mean_centred_logit = c.row(row_mean_centred);
       }
-      if (with_lse) sweep.gather_rows(c, grad_lse, row_grad_lse);
-      auto args = sweep.gradient_base(c);
-      args.grad_entropy = with_entropy ? c.row(row_grad_entropy) : nullptr;
-      args.mean_centred_logit = with_entropy ? c.row(row_mean_centred) : nullptr;
-      args.grad_lse = with_lse ? c.row(row_grad_lse) : nullptr;
       backend_.logit_gradients(args);
       sweep.propagate(c, grad_hidden, weight_gradient);
     });
@@ -284,53 +269,44 @@ class engine {
 
   // ---- forward_backward ----------------------------------------------------
 
-  // With `with_entropy`, also lse and entropy out and dL/dentropy in: the
-  // entropy gradient's row term E_p[z] - lse is -entropy, known once the
-  // row statistics are merged, so it stays one sweep of three GEMMs.
-  template <class Index, class ElementGradLogprobs, class ElementGradEntropy, class ElementLogprobs, class ElementLse,
-            class ElementEntropy, class GradHidden, class GradWeight>
+  // Both in one sweep when the loss's gradients are known before the forward
+  // (NLL, weighted or label-smoothed cross-entropy, an entropy bonus with
+  // fixed coefficients): 3 GEMMs per chunk instead of 4. The entropy
+  // gradient's row term E_p[z] - lse is -entropy, known once the row
+  // statistics are merged.
+  template <class Index, class GradLogprobs, class GradEntropy, class GradLse, class GradMeanLogit, class Logprobs,
+            class Lse, class Entropy, class MeanLogit, class GradHidden, class GradWeight>
   void forward_backward(const deferred_failure& conversion, const operator_inputs<T, Index>& in,
-                        vector_view<const ElementGradLogprobs> grad_logprobs,
-                        vector_view<const ElementGradEntropy> grad_entropy, vector_view<ElementLogprobs> logprobs,
-                        vector_view<ElementLse> lse, vector_view<ElementEntropy> entropy, bool with_entropy,
+                        const row_gradient_views<GradLogprobs, GradEntropy, GradLse, GradMeanLogit>& grads,
+                        const row_output_views<Logprobs, Lse, Entropy, MeanLogit>& out,
                         matrix_view<GradHidden> grad_hidden, matrix_view<GradWeight> grad_weight) {
     exclusive_call busy(busy_, "forward_backward");
-    const auto kind = with_entropy ? call_kind::forward_backward_with_entropy : call_kind::forward_backward;
-    const auto call = prepare(conversion, in, kind, grad_weight, [&](std::int64_t n) {
-      check_rows(grad_logprobs, "grad_logprobs", n, "targets");
-      check_rows(logprobs, "logprobs", n, "targets");
-      if (with_entropy) {
-        check_rows(grad_entropy, "grad_entropy", n, "targets");
-        check_rows(lse, "lse", n, "targets");
-        check_rows(entropy, "entropy", n, "targets");
-      }
-      check_gradients(in, grad_hidden, grad_weight);
-      check_no_alias({hidden_bytes(in), weight_bytes(in), target_bytes(in), bytes_of(grad_logprobs, "grad_logprobs"),
-                      bytes_of(grad_entropy, "grad_entropy")},
-                     {bytes_of(logprobs, "logprobs"), bytes_of(lse, "lse"), bytes_of(entropy, "entropy"),
-                      bytes_of(grad_hidden, "grad_hidden"), bytes_of(grad_weight, "grad_weight")});
-    });
+    const auto call = prepare(conversion, in, call_kind::forward_backward, grads.mask() | out.mask() << 4,
+                              grad_weight, [&](std::int64_t n) {
+                                check_given(grads, n);
+                                check_outputs(in, out, n,
+                                              {bytes_of(grads.logprobs, "grad_logprobs"),
+                                               bytes_of(grads.entropy, "grad_entropy"), bytes_of(grads.lse, "grad_lse"),
+                                               bytes_of(grads.mean_logit, "grad_mean_logit")},
+                                              {bytes_of(grad_hidden, "grad_hidden"),
+                                               bytes_of(grad_weight, "grad_weight")});
+                                check_gradients(in, grad_hidden, grad_weight);
+                              });
     if (in.targets.size == 0) return;
     [[maybe_unused]] const auto backend_call = begin_backend_call();
     const auto weight_gradient = begin_weight_gradient(call, grad_weight);
-    sweep_type sweep(comm_, backend_, options_, call.plan, call.workspace);
+    sweep_type sweep(comm_, backend_, options_, call.plan, call.workspace, call.vocab);
+    const bool with_entropy = out.has_entropy || grads.has_entropy;
     // Without a soft-cap (or an entropy term) the statistics pass leaves
     // exp(z - max) behind, and dz = -g exp(z - lse) is a per-row rescale of
     // it: one exp per logit.
     const bool keep_exp = reuses_exp_block<Backend>() && !sweep.scaling().soft_cap.enabled() && !with_entropy;
     sweep.run(in, [&](const auto& c) {
-      sweep.forward_statistics(c, with_entropy, keep_exp);
-      sweep.scatter_rows(c, row_logprobs, logprobs);
-      sweep.gather_rows(c, grad_logprobs, row_grad_logprobs);
-      auto args = sweep.gradient_base(c);
+      sweep.forward_statistics(c, with_entropy, keep_exp, out.has_mean_logit);
+      scatter_outputs(sweep, c, out);
+      auto args = gather_given(sweep, c, grads);
       args.exp_row_max = keep_exp ? c.partials : nullptr;
-      if (with_entropy) {
-        sweep.scatter_rows(c, row_lse, lse);
-        sweep.scatter_rows(c, row_entropy, entropy);
-        sweep.gather_rows(c, grad_entropy, row_grad_entropy);
-        args.grad_entropy = c.row(row_grad_entropy);
-        args.mean_centred_logit = c.row(row_mean_centred);
-      }
+      if (grads.has_entropy) args.mean_centred_logit = c.row(row_mean_centred);
       backend_.logit_gradients(args);
       sweep.propagate(c, grad_hidden, weight_gradient);
     });
@@ -343,7 +319,70 @@ class engine {
     workspace_plan<Compute> plan;
     void* workspace = nullptr;
     Compute* weight_accumulator = nullptr;  // [V_local, H] for a grad_weight not of the compute type
+    std::int64_t vocab = 0;                 // the whole vocabulary V
   };
+
+  // ---- the optional per-token vectors ------------------------------------------
+
+  template <class Index, class Logprobs, class Lse, class Entropy, class MeanLogit>
+  void check_outputs(const operator_inputs<T, Index>& in, const row_output_views<Logprobs, Lse, Entropy, MeanLogit>& out,
+                     std::int64_t n, std::initializer_list<byte_range> more_inputs,
+                     std::initializer_list<byte_range> more_outputs = {}) const {
+    if (out.has_logprobs) check_rows(out.logprobs, "logprobs", n, "targets");
+    if (out.has_lse) check_rows(out.lse, "lse", n, "targets");
+    if (out.has_entropy) check_rows(out.entropy, "entropy", n, "targets");
+    if (out.has_mean_logit) check_rows(out.mean_logit, "mean_logit", n, "targets");
+    std::vector<byte_range> inputs{hidden_bytes(in), weight_bytes(in), target_bytes(in)};
+    inputs.insert(inputs.end(), more_inputs.begin(), more_inputs.end());
+    std::vector<byte_range> outputs{bytes_of(out.logprobs, "logprobs"), bytes_of(out.lse, "lse"),
+                                    bytes_of(out.entropy, "entropy"), bytes_of(out.mean_logit, "mean_logit")};
+    outputs.insert(outputs.end(), more_outputs.begin(), more_outputs.end());
+    check_no_alias(inputs, outputs);
+  }
+
+  template <class GradLogprobs, class GradEntropy, class GradLse, class GradMeanLogit>
+  static void check_given(const row_gradient_views<GradLogprobs, GradEntropy, GradLse, GradMeanLogit>& grads,
+                          std::int64_t n) {
+    if (grads.has_logprobs) check_rows(grads.logprobs, "grad_logprobs", n, "targets");
+    if (grads.has_entropy) check_rows(grads.entropy, "grad_entropy", n, "targets");
+    if (grads.has_lse) check_rows(grads.lse, "grad_lse", n, "targets");
+    if (grads.has_mean_logit) check_rows(grads.mean_logit, "grad_mean_logit", n, "targets");
+  }
+
+  template <class Chunk_, class Logprobs, class Lse, class Entropy, class MeanLogit>
+  static void scatter_outputs(sweep_type& sweep, const Chunk_& c,
+                              const row_output_views<Logprobs, Lse, Entropy, MeanLogit>& out) {
+    if (out.has_logprobs) sweep.scatter_rows(c, row_logprobs, out.logprobs);
+    if (out.has_lse) sweep.scatter_rows(c, row_lse, out.lse);
+    if (out.has_entropy) sweep.scatter_rows(c, row_entropy, out.entropy);
+    if (out.has_mean_logit) sweep.scatter_rows(c, row_mean_logit, out.mean_logit);
+  }
+
+  // The chunk's rows of the given gradients, and the gradient pass's
+  // arguments pointing at them (absent ones: null, or zero for grad_logprobs).
+  template <class Chunk_, class GradLogprobs, class GradEntropy, class GradLse, class GradMeanLogit>
+  auto gather_given(sweep_type& sweep, const Chunk_& c,
+                    const row_gradient_views<GradLogprobs, GradEntropy, GradLse, GradMeanLogit>& grads) {
+    if (grads.has_logprobs) {
+      sweep.gather_rows(c, grads.logprobs, row_grad_logprobs);
+    } else {
+      backend_.fill_zero(matrix_view<Compute>{c.row(row_grad_logprobs), 1, c.rows, c.rows});
+    }
+    auto args = sweep.gradient_base(c);
+    if (grads.has_entropy) {
+      sweep.gather_rows(c, grads.entropy, row_grad_entropy);
+      args.grad_entropy = c.row(row_grad_entropy);
+    }
+    if (grads.has_lse) {
+      sweep.gather_rows(c, grads.lse, row_grad_lse);
+      args.grad_lse = c.row(row_grad_lse);
+    }
+    if (grads.has_mean_logit) {
+      sweep.gather_rows(c, grads.mean_logit, row_grad_mean_logit);
+      args.grad_mean_logit = c.row(row_grad_mean_logit);
+    }
+    return args;
+  }
   struct no_weight_gradient_t {};
   static constexpr no_weight_gradient_t no_weight_gradient{};
 
@@ -419,9 +458,10 @@ class engine {
 
   // ---- steps 1-3 -------------------------------------------------------------
 
+  // `terms` says which optional per-token vectors the call has: ranks must agree on it too.
   template <class Index, class GradWeight, class CallChecks>
   prepared_call prepare(const deferred_failure& conversion, const operator_inputs<T, Index>& in, call_kind kind,
-                        const GradWeight& grad_weight, CallChecks&& call_checks) {
+                        std::int64_t terms, const GradWeight& grad_weight, CallChecks&& call_checks) {
     prepared_call call;
     call_record mine;
     target_scan targets;
@@ -447,6 +487,7 @@ class engine {
       expects(options_.vocab_start == 0, "options.vocab_start = ", options_.vocab_start,
               " on a single rank: the shard must cover the whole vocabulary [0, ", in.weight.rows, ")");
       check_target_ids(targets, in.targets, in.weight.rows);
+      call.vocab = in.weight.rows;
       return call;
     }
     mine.ok = failure.empty() ? 1 : 0;
@@ -460,13 +501,14 @@ class engine {
       mine.ignore_index = options_.ignore_index;
       mine.temperature_bits = float_bits(options_.temperature);
       mine.softcap_bits = float_bits(options_.softcap);
-      mine.call = static_cast<std::int64_t>(kind);
+      mine.call = static_cast<std::int64_t>(kind) | terms << 8;
       mine.targets_hash = targets.hash;
     }
     const agreed_call agreed = agreement_.agree(comm_, mine, failure);
     // Every rank holds the same targets (their hashes agree) and the same
     // layout, so every rank reaches the same verdict here.
     check_target_ids(targets, in.targets, agreement_.vocab());
+    call.vocab = agreement_.vocab();
     if (agreed.chunk < call.plan.chunk)
       call.plan = plan_for(in.targets.size, in.hidden.cols, in.weight.rows, agreed.chunk);
     return call;

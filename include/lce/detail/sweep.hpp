@@ -93,10 +93,11 @@ class chunk_sweep {
   using Operand = gemm_operand_t<Backend, T>;
   static constexpr bool dz_in_own_block = !std::same_as<Operand, Compute>;
 
+  // `vocab` is the whole vocabulary V (the mean logit's denominator).
   chunk_sweep(const Comm& comm, Backend& backend, const options& opt, const workspace_plan<Compute>& plan,
-              void* workspace)
+              void* workspace, std::int64_t vocab)
       : comm_(comm), backend_(backend), options_(opt), scaling_(logit_scaling<Compute>::from(opt)), plan_(plan),
-        base_(static_cast<char*>(workspace)) {}
+        base_(static_cast<char*>(workspace)), inverse_vocab_(Compute(1) / static_cast<Compute>(vocab)) {}
 
   const logit_scaling<Compute>& scaling() const { return scaling_; }
   bool sequence_parallel() const { return options_.sequence_parallel && comm_.size() > 1; }
@@ -156,11 +157,13 @@ class chunk_sweep {
   // Logits of the chunk, their row statistics, combined over ranks, then
   // log-prob, lse and entropy per row into the chunk's row arrays.
   template <class Index>
-  void forward_statistics(const chunk<T, Compute, Operand, Index>& c, bool with_entropy, bool keep_exp) {
+  // Also the mean logit (into row_mean_logit) with `with_mean_logit`.
+  void forward_statistics(const chunk<T, Compute, Operand, Index>& c, bool with_entropy, bool keep_exp,
+                          bool with_mean_logit = false) {
     backend_.logits(c.hidden, c.weight, scaling_.logits_alpha, c.logits, c.weight_block);
     backend_.row_statistics(statistics_args<Compute, Index>{c.logits, c.targets, options_.vocab_start,
                                                             options_.ignore_index, scaling_.soft_cap, with_entropy,
-                                                            keep_exp, c.partials});
+                                                            keep_exp, with_mean_logit, c.partials});
     const row_partial<Compute>* merged = c.partials;
     if (comm_.size() > 1) {
       // One collective per chunk: every rank's partials, merged locally in rank order.
@@ -172,7 +175,9 @@ class chunk_sweep {
     backend_.finalize_rows(finalize_args<Compute, Index>{merged, c.targets, options_.ignore_index,
                                                          c.row(row_logprobs), c.row(row_lse),
                                                          with_entropy ? c.row(row_entropy) : nullptr,
-                                                         with_entropy ? c.row(row_mean_centred) : nullptr},
+                                                         with_entropy ? c.row(row_mean_centred) : nullptr,
+                                                         with_mean_logit ? c.row(row_mean_logit) : nullptr,
+                                                         inverse_vocab_},
                            c.rows);
   }
 
@@ -193,6 +198,7 @@ class chunk_sweep {
     args.soft_cap = scaling_.soft_cap;
     args.lse = c.row(row_lse);
     args.grad_logprobs = c.row(row_grad_logprobs);
+    args.inverse_vocab = inverse_vocab_;
     if constexpr (dz_in_own_block) args.gradient_operand = c.dz_operand.data;
     return args;
   }
@@ -276,6 +282,7 @@ class chunk_sweep {
   logit_scaling<Compute> scaling_;
   const workspace_plan<Compute>& plan_;
   char* base_;
+  Compute inverse_vocab_;
 };
 
 }  // namespace detail

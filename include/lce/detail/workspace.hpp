@@ -72,7 +72,9 @@ enum row_array : int {
   row_grad_logprobs,
   row_grad_entropy,
   row_grad_lse,
+  row_grad_mean_logit,
   row_mean_centred,
+  row_mean_logit,
   row_arrays
 };
 

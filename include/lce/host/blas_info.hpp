@@ -20,7 +20,7 @@
 // not include it.
 
 #include <lce/core/config.hpp>
-#ifdef LCE_BF16_GEMM_ONEDNN
+#if LCE_HOST_BF16_GEMM_ONEDNN
 #include <lce/host/detail/onednn_gemm.hpp>
 #endif
 
@@ -303,7 +303,7 @@ inline blas_report blas_info() {
   }
 #endif
   blas_detail::recommend(r);
-#ifdef LCE_BF16_GEMM_ONEDNN
+#if LCE_HOST_BF16_GEMM_ONEDNN
   r.bf16_gemm = detail::onednn_bf16_gemm_available()
                     ? detail::onednn_bf16_gemm_description()
                     : "widened to fp32 for the BLAS (" + detail::onednn_bf16_gemm_description() + " has no bf16 instructions here)";

@@ -21,7 +21,7 @@
 #include <lce/host/detail/convert.hpp>
 #include <lce/host/detail/row_passes.hpp>
 #include <lce/host/detail/thread_pool.hpp>
-#ifdef LCE_BF16_GEMM_ONEDNN
+#if LCE_HOST_BF16_GEMM_ONEDNN
 #include <lce/host/detail/onednn_gemm.hpp>
 #endif
 
@@ -214,6 +214,7 @@ class host {
       partial.max = detail::row_max(row, n);
       const std::int64_t target = local_target(args.targets[r], args.vocab_start, args.ignore_index, n);
       if (target >= 0) partial.target_logit = row[target];
+      if (args.with_logit_sum) partial.sum_logit = detail::reduce_row(row, n, A(0), [](auto v) { return v; }, detail::plus);
       if (args.keep_exp) {
         partial.sum_exp = detail::exp_in_place_row(row, n, partial.max);
       } else if (args.with_entropy) {
@@ -239,11 +240,13 @@ class host {
   template <class A, class I>
   void finalize_rows(const finalize_args<A, I>& args, std::int64_t rows) {
     for (std::int64_t r = 0; r < rows; ++r) {
-      const auto result = detail::finalize(args.partials[r], args.targets[r] == args.ignore_index);
+      const bool ignored = args.targets[r] == args.ignore_index;
+      const auto result = detail::finalize(args.partials[r], ignored);
       if (args.logprobs) args.logprobs[r] = result.logprob;
       if (args.lse) args.lse[r] = result.lse;
       if (args.entropy) args.entropy[r] = result.entropy;
       if (args.mean_centred) args.mean_centred[r] = -result.entropy;
+      if (args.mean_logit) args.mean_logit[r] = ignored ? A(0) : args.partials[r].sum_logit * args.inverse_vocab;
     }
   }
 
@@ -264,18 +267,20 @@ class host {
       const A g = args.grad_logprobs[r];
       const A h = args.grad_entropy ? args.grad_entropy[r] : A(0);
       const A q = args.grad_lse ? args.grad_lse[r] : A(0);
-      if (args.targets[r] == args.ignore_index || (g == A(0) && h == A(0) && q == A(0))) {
+      const A m = args.grad_mean_logit ? args.grad_mean_logit[r] : A(0);
+      if (args.targets[r] == args.ignore_index || (g == A(0) && h == A(0) && q == A(0) && m == A(0))) {
         detail::zero_row(row, n);
         return;
       }
       const std::int64_t target = local_target(args.targets[r], args.vocab_start, args.ignore_index, n);
       const A target_slope = target >= 0 && capped ? detail::soft_cap_slope(row[target], args.soft_cap) : A(1);
-      // dlse/dz = p, so dL/dlse joins the -g of every logit; the target keeps +g.
-      const A g_p = g - q;
+      const auto terms = detail::fold_row_terms(g, q, m, args.inverse_vocab);
       if (args.exp_row_max) {
-        detail::scale_row(row, n, -g_p * std::exp(args.exp_row_max[r].max - args.lse[r]));
+        detail::scale_row(row, n, -terms.grad_logprob_of_p * std::exp(args.exp_row_max[r].max - args.lse[r]),
+                          terms.uniform);
       } else {
-        dispatch_gradient_row(row, n, args.lse[r], g_p, h, args.mean_centred_logit ? args.mean_centred_logit[r] : A(0),
+        dispatch_gradient_row(row, n, args.lse[r], terms.grad_logprob_of_p, h,
+                              args.mean_centred_logit ? args.mean_centred_logit[r] : A(0), terms.uniform,
                               args.soft_cap, args.grad_entropy != nullptr, capped);
       }
       if (target >= 0) row[target] += g * target_slope;
@@ -351,13 +356,13 @@ class host {
 
   template <class A, class T>
   static constexpr bool onednn_weight =
-#ifdef LCE_BF16_GEMM_ONEDNN
+#if LCE_HOST_BF16_GEMM_ONEDNN
       std::is_same_v<A, float> && std::is_same_v<std::remove_cv_t<T>, bfloat16>;
 #else
       false;
 #endif
 
-#ifdef LCE_BF16_GEMM_ONEDNN
+#if LCE_HOST_BF16_GEMM_ONEDNN
   // Logits from a bf16 weight on bf16 instructions: the chunk's hidden rows (fp32,
   // widened from bf16 by the engine) are rounded back to bf16 in blocks of rows
   // that fit the weight scratch, then each vocabulary tile of each block is one
@@ -540,15 +545,14 @@ class host {
   }
 
   template <class A>
-  static void dispatch_gradient_row(A* row, std::int64_t n, A lse, A g, A h, A mean_centred,
-                                    const detail::soft_cap_map<A>& cap,
-                                    bool with_entropy, bool capped) {
+  static void dispatch_gradient_row(A* row, std::int64_t n, A lse, A g, A h, A mean_centred, A uniform,
+                                    const detail::soft_cap_map<A>& cap, bool with_entropy, bool capped) {
     if (with_entropy) {
-      capped ? detail::gradient_row<A, true, true>(row, n, lse, g, h, mean_centred, cap)
-             : detail::gradient_row<A, true, false>(row, n, lse, g, h, mean_centred, cap);
+      capped ? detail::gradient_row<A, true, true>(row, n, lse, g, h, mean_centred, uniform, cap)
+             : detail::gradient_row<A, true, false>(row, n, lse, g, h, mean_centred, uniform, cap);
     } else {
-      capped ? detail::gradient_row<A, false, true>(row, n, lse, g, h, mean_centred, cap)
-             : detail::gradient_row<A, false, false>(row, n, lse, g, h, mean_centred, cap);
+      capped ? detail::gradient_row<A, false, true>(row, n, lse, g, h, mean_centred, uniform, cap)
+             : detail::gradient_row<A, false, false>(row, n, lse, g, h, mean_centred, uniform, cap);
     }
   }
 

@@ -94,6 +94,7 @@ LCE_KERNEL void row_statistics_kernel(statistics_args<A, I> args) {
       row[j] = z;
     }
     if (j == target) mine.target_logit = z;
+    mine.sum_logit += z;  // kept always: one add per logit in a pass bound by memory
     accumulate<A, WithEntropy>(mine, z);
   }
   const row_partial<A> total = reduce_partials(temp.partials).Reduce(mine, merge_partials_op<A>{});
@@ -134,11 +135,13 @@ template <class A, class I>
 LCE_KERNEL void finalize_rows_kernel(finalize_args<A, I> args, std::int64_t rows) {
   const std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (r >= rows) return;
-  const auto result = finalize(args.partials[r], static_cast<std::int64_t>(args.targets.data[r]) == args.ignore_index);
+  const bool ignored = static_cast<std::int64_t>(args.targets.data[r]) == args.ignore_index;
+  const auto result = finalize(args.partials[r], ignored);
   if (args.logprobs) args.logprobs[r] = result.logprob;
   if (args.lse) args.lse[r] = result.lse;
   if (args.entropy) args.entropy[r] = result.entropy;
   if (args.mean_centred) args.mean_centred[r] = -result.entropy;
+  if (args.mean_logit) args.mean_logit[r] = ignored ? A(0) : args.partials[r].sum_logit * args.inverse_vocab;
 }
 
 // out[r] = sum_v p (z - lse): this shard's part of E_p[z] - lse.
@@ -162,7 +165,7 @@ LCE_KERNEL void mean_centred_logits_kernel(mean_centred_logit_args<A, I> args) {
   if (threadIdx.x == 0) args.out[r] = total;
 }
 
-// dz = g (1[v = y] - p) + h p (E_p[z] - z) + q p, times the soft-cap's slope, for
+// dz = g (1[v = y] - p) + h p (E_p[z] - z) + q p + m / V, times the soft-cap's slope, for
 // one tile of columns of one row per block (grid-strided over the tiles).
 // FromExp: the block holds exp(z - max) (keep_exp), dz = -g exp(max - lse) e.
 template <class A, class I, class Out, bool WithEntropy, bool SoftCap, bool FromExp>
@@ -178,9 +181,10 @@ LCE_KERNEL void logit_gradient_kernel(gradient_args<A, I, Out> args, Out* out, s
     const A g = args.grad_logprobs[r];
     const A h = WithEntropy ? args.grad_entropy[r] : A(0);
     const A q = args.grad_lse ? args.grad_lse[r] : A(0);
-    const bool zero = id == args.ignore_index || (g == A(0) && h == A(0) && q == A(0));
-    // dlse/dz = p, so dL/dlse joins the -g of every logit; the target keeps +g.
-    const A g_p = g - q;
+    const A m = args.grad_mean_logit ? args.grad_mean_logit[r] : A(0);
+    const bool zero = id == args.ignore_index || (g == A(0) && h == A(0) && q == A(0) && m == A(0));
+    const auto terms = fold_row_terms(g, q, m, args.inverse_vocab);
+    const A g_p = terms.grad_logprob_of_p;
     const std::int64_t target = local_target(id, args.vocab_start, args.ignore_index, cols);
     const A lse = args.lse[r];
     const A mean_centred = WithEntropy ? args.mean_centred_logit[r] : A(0);
@@ -195,11 +199,11 @@ LCE_KERNEL void logit_gradient_kernel(gradient_args<A, I, Out> args, Out* out, s
       A d = A(0);
       if (!zero) {
         if constexpr (FromExp) {
-          d = z * exp_scale;
+          d = z * exp_scale + terms.uniform;
         } else {
           const A centred = z - lse;
           const A p = fast_exp(centred);
-          d = WithEntropy ? logit_gradient(p, centred, g_p, h, mean_centred) : p * -g_p;
+          d = (WithEntropy ? logit_gradient(p, centred, g_p, h, mean_centred) : p * -g_p) + terms.uniform;
           if constexpr (SoftCap) d = d * soft_cap_slope(z, args.soft_cap);
         }
         if (j == target) {

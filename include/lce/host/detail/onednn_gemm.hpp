@@ -91,6 +91,11 @@ inline void onednn_bf16_gemm(std::int64_t m, std::int64_t n, std::int64_t k, flo
   const key_type key{m, n, k, a_row, a_col, b_row, b_col, ldc, alpha_bits, accumulate};
   auto found = cache.entries.find(key);
   if (found == cache.entries.end()) {
+    // A few shapes per operator and call (full and last tiles, chunks): a
+    // small bound keeps the cache's memory constant however many shapes
+    // (ragged last chunks, temperatures) a long run sees.
+    constexpr std::size_t max_entries = 32;
+    if (cache.entries.size() >= max_entries) cache.entries.clear();
     using dt = dnnl::memory::data_type;
     const dnnl::memory::desc ad({m, k}, dt::bf16, {a_row, a_col}), bd({k, n}, dt::bf16, {b_row, b_col}),
         cd({m, n}, dt::f32, {ldc, 1});

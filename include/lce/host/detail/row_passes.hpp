@@ -93,21 +93,24 @@ A mean_centred_logit_row(const A* z, std::int64_t n, A lse) {
 
 // z -> dL/dz (before the target's +g), chained through the soft-cap when
 // WithSoftCap (z is then the capped logit; the 1/tau is the GEMMs' alpha).
+// `uniform` is added to every logit's gradient (see fold_row_terms).
 template <class A, bool WithEntropy, bool WithSoftCap>
-void gradient_row(A* z, std::int64_t n, A lse, A grad_logprob, A grad_entropy, A mean_centred,
+void gradient_row(A* z, std::int64_t n, A lse, A grad_logprob, A grad_entropy, A mean_centred, A uniform,
                   soft_cap_map<A> cap) {
   transform_row(z, n, [=](auto logit) {
     const auto centred = logit - lse;
     const auto p = fast_exp(centred);
     auto d = WithEntropy ? logit_gradient(p, centred, grad_logprob, grad_entropy, mean_centred) : p * -grad_logprob;
+    d = d + uniform;
     if constexpr (WithSoftCap) d = d * soft_cap_slope(logit, cap);
     return d;
   });
 }
 
+// z = z * factor + uniform: dz from a block holding exp(z - max).
 template <class A>
-void scale_row(A* z, std::int64_t n, A factor) {
-  transform_row(z, n, [=](auto v) { return v * factor; });
+void scale_row(A* z, std::int64_t n, A factor, A uniform) {
+  transform_row(z, n, [=](auto v) { return v * factor + uniform; });
 }
 
 template <class A>

@@ -1,0 +1,30 @@
+#pragma once
+// The per-token vectors of the operator's extended calls, for losses with
+// more row terms than log p(y) (label smoothing, z-loss, entropy bonus).
+// Each is a view over N elements of float or double, or empty (the default):
+// an empty output is not computed, an empty gradient counts as zero.
+
+#include <lce/core/config.hpp>
+#include <lce/core/dtypes.hpp>
+#include <lce/core/views.hpp>
+
+LCE_BEGIN_NAMESPACE
+
+template <result_type E = float>
+struct row_outputs {
+  vector_view<E> logprobs;    // log p(y_i); ignored tokens 0
+  vector_view<E> lse;         // log sum_v exp(z_iv)
+  vector_view<E> entropy;     // -sum_v p_iv log p_iv; ignored tokens 0
+  vector_view<E> mean_logit;  // sum_v z_iv / V over the whole vocabulary; ignored tokens 0
+};
+
+// dL/d of each of the above.
+template <result_type E = float>
+struct row_gradients {
+  vector_view<const E> logprobs;
+  vector_view<const E> entropy;
+  vector_view<const E> lse;         // a z-loss lambda lse^2 gives 2 lambda lse
+  vector_view<const E> mean_logit;  // label smoothing eps: -eps per counted token (times its weight)
+};
+
+LCE_END_NAMESPACE
