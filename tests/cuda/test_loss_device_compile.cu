@@ -28,6 +28,13 @@ void instantiate_all(Policy&& exec, const R* logp, const I* targets, const C* cu
                          lce::sft_options{lce::loss_reduction::sequence_mean});
   (void)lce::sft_loss(exec, batch, lce::vector_view<const R>{logp, n}, 1.0,
                       lce::sft_outputs<G>{{grad, n}, {seq_a, s}, {seq_tokens, s}});
+  // SFT with label smoothing: the three row gradients, the loss from logp, lse and the mean logit
+  lce::sft_options smoothed;
+  smoothed.label_smoothing = 0.1;
+  lce::sft_gradients(exec, batch, 1.0, lce::sft_row_gradients<G>{{grad, n}, {grad_entropy, n}, {grad_entropy, n}},
+                     lce::vector_view<std::int64_t>{seq_tokens, s}, smoothed);
+  (void)lce::sft_loss(exec, batch, lce::vector_view<const R>{logp, n}, 1.0, lce::sft_outputs<G>{}, smoothed,
+                      lce::sft_smoothing_inputs<const R>{{logp, n}, {logp, n}});
   // policy gradient
   const lce::pg_inputs<R> pg_in{{logp, n}, {logp, n}, {logp, n}, {logp, n}, {logp, n}, {logp, n}};
   (void)lce::policy_gradient_loss(exec, batch, pg_in, 1.0,
