@@ -3,6 +3,7 @@
 // (include/lce/cuda/detail/launch_shape.hpp, simulated with the kernels' own
 // index math) and the workspace plan of a device-style backend (GEMM operand
 // = T, dz in its own operand block, no widening stage).
+#include "support/device_shaped_backend.hpp"
 #include "support/harness.hpp"
 
 #include <lce/cuda/detail/launch_shape.hpp>
@@ -136,49 +137,7 @@ TEST_CASE("cuda launch shapes: element tiles past the grid limit") {
 // ---------------------------------------------------------------------------
 namespace {
 
-// Shaped like lce::cuda_backend as far as the engine's plan can tell: device
-// memory, GEMMs that read 2-byte rows as stored, dz recomputed in the
-// gradient pass. Nothing here runs.
-struct fake_device_backend {
-  using memory_space = lce::device_memory;
-  template <class T>
-  using gemm_operand = T;
-  static constexpr bool reuses_exp_block = false;
-  static constexpr std::int64_t max_gemm_extent = INT_MAX;
-
-  void* allocate(std::size_t) { throw std::bad_alloc(); }
-  void deallocate(void*, std::size_t) noexcept {}
-  template <class T>
-  std::int64_t weight_block_elements(std::int64_t, std::int64_t) const {
-    return 0;
-  }
-  template <class In, class A>
-  void logits(lce::matrix_view<const In>, lce::matrix_view<const In>, A, lce::matrix_view<A>, void*) {}
-  template <class In, class A>
-  void grad_hidden(lce::matrix_view<const In>, lce::matrix_view<const In>, A, lce::matrix_view<A>, void*) {}
-  template <class In, class A>
-  void grad_weight(lce::matrix_view<const In>, lce::matrix_view<const In>, A, lce::matrix_view<A>) {}
-  template <class From, class To>
-  void copy(lce::matrix_view<From>, lce::matrix_view<To>) {}
-  template <class From, class To>
-  void copy(lce::vector_view<From>, lce::vector_view<To>) {}
-  template <class From, class To>
-  void add(lce::matrix_view<From>, lce::matrix_view<To>) {}
-  template <class A>
-  void fill_zero(lce::matrix_view<A>) {}
-  template <class A>
-  void soft_cap(lce::matrix_view<A>, const lce::detail::soft_cap_map<A>&) {}
-  template <class A, class I>
-  void row_statistics(const lce::statistics_args<A, I>&) {}
-  template <class A>
-  void merge_partials(const lce::detail::row_partial<A>*, int, std::int64_t, lce::detail::row_partial<A>*) {}
-  template <class A, class I>
-  void finalize_rows(const lce::finalize_args<A, I>&, std::int64_t) {}
-  template <class A, class I>
-  void mean_centred_logits(const lce::mean_centred_logit_args<A, I>&) {}
-  template <class A, class I, class Out>
-  void logit_gradients(const lce::gradient_args<A, I, Out>&) {}
-};
+using fake_device_backend = lce_test::device_shaped_backend<>;
 static_assert(lce::backend<fake_device_backend>);
 static_assert(std::is_same_v<lce::gemm_operand_t<fake_device_backend, lce::bfloat16>, lce::bfloat16>);
 static_assert(!lce::reuses_exp_block<fake_device_backend>());

@@ -124,6 +124,16 @@ LCE_HOST_DEVICE LCE_ALWAYS_INLINE P soft_cap_slope(P capped, const soft_cap_map<
   return A(1) - ratio * ratio;
 }
 
+// The column of a row's target in a shard of `columns` vocabulary rows that
+// starts at global id `vocab_start`, or -1 (ignored, or held by another shard).
+template <class I>
+LCE_HOST_DEVICE inline std::int64_t local_target(I target, std::int64_t vocab_start, std::int64_t ignore_index,
+                                                 std::int64_t columns) {
+  const auto id = static_cast<std::int64_t>(target);
+  const std::int64_t local = id - vocab_start;
+  return id != ignore_index && local >= 0 && local < columns ? local : -1;
+}
+
 // The statistics of a row over part of the vocabulary (one block, one rank).
 // Partials merge associatively, which is what lets the vocabulary be split
 // across blocks and ranks. `target_logit` is 0 where the part does not hold

@@ -212,7 +212,7 @@ class host {
       if (args.soft_cap.enabled()) detail::soft_cap_row(row, n, args.soft_cap);
       detail::row_partial<A> partial;
       partial.max = detail::row_max(row, n);
-      const std::int64_t target = local_target(args.targets[r], args.vocab_start, args.ignore_index, n);
+      const std::int64_t target = detail::local_target(args.targets[r], args.vocab_start, args.ignore_index, n);
       if (target >= 0) partial.target_logit = row[target];
       if (args.with_logit_sum) partial.sum_logit = detail::reduce_row(row, n, A(0), [](auto v) { return v; }, detail::plus);
       if (args.keep_exp) {
@@ -272,7 +272,7 @@ class host {
         detail::zero_row(row, n);
         return;
       }
-      const std::int64_t target = local_target(args.targets[r], args.vocab_start, args.ignore_index, n);
+      const std::int64_t target = detail::local_target(args.targets[r], args.vocab_start, args.ignore_index, n);
       const A target_slope = target >= 0 && capped ? detail::soft_cap_slope(row[target], args.soft_cap) : A(1);
       const auto terms = detail::fold_row_terms(g, q, m, args.inverse_vocab);
       if (args.exp_row_max) {
@@ -536,12 +536,6 @@ class host {
     pool_->parallel_for(rows, grain, [&](std::int64_t begin, std::int64_t end, int) {
       for (std::int64_t r = begin; r < end; ++r) body(r);
     });
-  }
-
-  template <class I>
-  static std::int64_t local_target(I target, std::int64_t vocab_start, std::int64_t ignore_index, std::int64_t n) {
-    const std::int64_t local = static_cast<std::int64_t>(target) - vocab_start;
-    return static_cast<std::int64_t>(target) != ignore_index && local >= 0 && local < n ? local : -1;
   }
 
   template <class A>

@@ -33,15 +33,6 @@ namespace detail::cuda_kernels {
 using cuda_launch::block_threads;
 using cuda_launch::items_per_thread;
 
-// The target's column in this shard, or -1 (ignored, or held by another rank).
-template <class I>
-__device__ __forceinline__ std::int64_t local_target(I target, std::int64_t vocab_start, std::int64_t ignore_index,
-                                                     std::int64_t cols) {
-  const auto id = static_cast<std::int64_t>(target);
-  const std::int64_t local = id - vocab_start;
-  return id != ignore_index && local >= 0 && local < cols ? local : -1;
-}
-
 // Adds one logit to a running partial, rescaling it when the maximum moves.
 template <class A, bool WithEntropy>
 __device__ __forceinline__ void accumulate(row_partial<A>& p, A z) {

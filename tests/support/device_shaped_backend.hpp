@@ -1,0 +1,60 @@
+// A backend shaped like lce::cuda_backend as far as the engine can tell at
+// compile time and in its plan: its memory space (device by default), GEMMs
+// that read 2-byte rows as stored, dz recomputed in the gradient pass, int
+// GEMM extents. Nothing here runs: allocation fails and every pass is empty.
+// Used where a device-style backend is needed without nvcc (the workspace-plan
+// tests, the compile-fail test pairing it with a host communicator).
+#pragma once
+
+#include <lce/lce.hpp>
+
+#include <climits>
+#include <cstddef>
+#include <cstdint>
+#include <new>
+
+namespace lce_test {
+
+template <class MemorySpace = lce::device_memory>
+struct device_shaped_backend {
+  using memory_space = MemorySpace;
+  template <class T>
+  using gemm_operand = T;
+  static constexpr bool reuses_exp_block = false;
+  static constexpr std::int64_t max_gemm_extent = INT_MAX;
+
+  void* allocate(std::size_t) { throw std::bad_alloc(); }
+  void deallocate(void*, std::size_t) noexcept {}
+  template <class T>
+  std::int64_t weight_block_elements(std::int64_t, std::int64_t) const {
+    return 0;
+  }
+  template <class In, class A>
+  void logits(lce::matrix_view<const In>, lce::matrix_view<const In>, A, lce::matrix_view<A>, void*) {}
+  template <class In, class A>
+  void grad_hidden(lce::matrix_view<const In>, lce::matrix_view<const In>, A, lce::matrix_view<A>, void*) {}
+  template <class In, class A>
+  void grad_weight(lce::matrix_view<const In>, lce::matrix_view<const In>, A, lce::matrix_view<A>) {}
+  template <class From, class To>
+  void copy(lce::matrix_view<From>, lce::matrix_view<To>) {}
+  template <class From, class To>
+  void copy(lce::vector_view<From>, lce::vector_view<To>) {}
+  template <class From, class To>
+  void add(lce::matrix_view<From>, lce::matrix_view<To>) {}
+  template <class A>
+  void fill_zero(lce::matrix_view<A>) {}
+  template <class A>
+  void soft_cap(lce::matrix_view<A>, const lce::detail::soft_cap_map<A>&) {}
+  template <class A, class I>
+  void row_statistics(const lce::statistics_args<A, I>&) {}
+  template <class A>
+  void merge_partials(const lce::detail::row_partial<A>*, int, std::int64_t, lce::detail::row_partial<A>*) {}
+  template <class A, class I>
+  void finalize_rows(const lce::finalize_args<A, I>&, std::int64_t) {}
+  template <class A, class I>
+  void mean_centred_logits(const lce::mean_centred_logit_args<A, I>&) {}
+  template <class A, class I, class Out>
+  void logit_gradients(const lce::gradient_args<A, I, Out>&) {}
+};
+
+}  // namespace lce_test
