@@ -168,17 +168,74 @@ class ChunkedHiddenToLogprobs {
     engine_.forward_backward(failure, in, gradient_views(gradients), output_views(outputs), gx, gw);
   }
 
+  // ---- target sets: targets [N, K], K ids per token ---------------------------
+  // (a teacher's top-K for distillation, several candidates). The K log-probs
+  // of each token come out of the same single collective per chunk as the
+  // row statistics; nothing [N, V] is ever held. Matrices of K values per
+  // token are dense (ld = K).
+
+  template <matrix_like Hidden, matrix_like Weight, matrix_like TargetSets, result_type E>
+  void forward(const Hidden& hidden, const Weight& weight, const TargetSets& targets,
+               const target_set_outputs<E>& outputs) {
+    detail::deferred_failure failure;
+    const auto in = failure([&] { return set_inputs(hidden, weight, targets); });
+    auto out = output_views(row_outputs<E>{{}, outputs.lse, outputs.entropy, outputs.mean_logit});
+    out.logprobs = failure([&] { return per_id(outputs.logprobs, targets, "logprobs"); });
+    out.has_logprobs = out.logprobs.size != 0;
+    engine_.forward(failure, in, out);
+  }
+
+  // grad_logprobs [N, K]: grad_hidden OVERWRITTEN, grad_weight ACCUMULATED (+=).
+  template <matrix_like Hidden, matrix_like Weight, matrix_like TargetSets, vector_like Lse, result_type E,
+            matrix_like GradHidden, matrix_like GradWeight>
+  void backward(const Hidden& hidden, const Weight& weight, const TargetSets& targets, const Lse& lse,
+                const target_set_gradients<E>& gradients, const GradHidden& grad_hidden,
+                const GradWeight& grad_weight) {
+    detail::deferred_failure failure;
+    const auto in = failure([&] { return set_inputs(hidden, weight, targets); });
+    const auto ls = failure([&] { return given(lse, "lse"); });
+    auto grads = gradient_views(row_gradients<E>{{}, gradients.entropy, gradients.lse, gradients.mean_logit});
+    grads.logprobs = failure([&] { return vector_view<const E>(per_id(gradients.logprobs, targets, "grad_logprobs")); });
+    grads.has_logprobs = grads.logprobs.size != 0;
+    const auto gx = failure([&] { return gradient(grad_hidden, "grad_hidden"); });
+    const auto gw = failure([&] { return gradient(grad_weight, "grad_weight"); });
+    engine_.backward(failure, in, ls, grads, gx, gw);
+  }
+
+  // Both in one sweep when the gradients are known before the forward (a
+  // cross-entropy against fixed soft targets over the K ids).
+  template <matrix_like Hidden, matrix_like Weight, matrix_like TargetSets, result_type E, result_type F,
+            matrix_like GradHidden, matrix_like GradWeight>
+  void forward_backward(const Hidden& hidden, const Weight& weight, const TargetSets& targets,
+                        const target_set_gradients<E>& gradients, const target_set_outputs<F>& outputs,
+                        const GradHidden& grad_hidden, const GradWeight& grad_weight) {
+    detail::deferred_failure failure;
+    const auto in = failure([&] { return set_inputs(hidden, weight, targets); });
+    auto grads = gradient_views(row_gradients<E>{{}, gradients.entropy, gradients.lse, gradients.mean_logit});
+    grads.logprobs = failure([&] { return vector_view<const E>(per_id(gradients.logprobs, targets, "grad_logprobs")); });
+    grads.has_logprobs = grads.logprobs.size != 0;
+    auto out = output_views(row_outputs<F>{{}, outputs.lse, outputs.entropy, outputs.mean_logit});
+    out.logprobs = failure([&] { return per_id(outputs.logprobs, targets, "logprobs"); });
+    out.has_logprobs = out.logprobs.size != 0;
+    const auto gx = failure([&] { return gradient(grad_hidden, "grad_hidden"); });
+    const auto gw = failure([&] { return gradient(grad_weight, "grad_weight"); });
+    engine_.forward_backward(failure, in, grads, out, gx, gw);
+  }
+
   // Bytes of scratch the calls above allocate for these sizes: the sweep's
   // buffer plus, for a 2-byte T, the fp32 [V_local, H] dW accumulator that a
   // grad_weight of type T needs (an upper bound over the calls). With several
   // ranks a call uses the smallest chunk over ranks, so at most this.
-  std::size_t workspace_bytes(std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local) const {
-    return engine_.workspace_bytes(n_tokens, hidden, vocab_local);
+  // `set_size`: K, for the calls with target sets of K ids per token.
+  std::size_t workspace_bytes(std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local,
+                              std::int64_t set_size = 0) const {
+    return engine_.workspace_bytes(n_tokens, hidden, vocab_local, set_size);
   }
 
   // The chunk (rows of the logit block) this rank would use for these sizes.
-  std::int64_t chunk_tokens(std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local) const {
-    return engine_.chunk_tokens(n_tokens, hidden, vocab_local);
+  std::int64_t chunk_tokens(std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local,
+                            std::int64_t set_size = 0) const {
+    return engine_.chunk_tokens(n_tokens, hidden, vocab_local, set_size);
   }
 
   // Scratch is kept between calls (the next call of the same size allocates
@@ -198,6 +255,37 @@ class ChunkedHiddenToLogprobs {
     return detail::operator_inputs<T, value_of<Targets>>{
         detail::to_matrix_view(hidden, "hidden"), detail::to_matrix_view(weight, "weight"),
         detail::to_vector_view(targets, "targets")};
+  }
+
+  // Target sets [N, K]: dense rows of K >= 1 ids, flattened for the engine.
+  template <class Hidden, class Weight, class TargetSets>
+  static auto set_inputs(const Hidden& hidden, const Weight& weight, const TargetSets& targets) {
+    static_assert(std::is_same_v<value_of<Hidden>, T>, "hidden: element type must be the operator's T");
+    static_assert(std::is_same_v<value_of<Weight>, T>, "weight: element type must be the operator's T");
+    static_assert(target_id_type<value_of<TargetSets>>,
+                  "targets: element type must be std::int32_t or std::int64_t");
+    const auto ids = detail::to_matrix_view(targets, "targets");
+    detail::expects(ids.cols > 0, "targets: a target set needs K >= 1 ids per token, got [", ids.rows, ", ", ids.cols, "]");
+    detail::expects(ids.rows <= 1 || ids.ld == ids.cols, "targets: target sets [", ids.rows, ", ", ids.cols,
+            "] must be dense rows (ld ", ids.ld, " != K ", ids.cols, ")");
+    detail::operator_inputs<T, value_of<TargetSets>> in{detail::to_matrix_view(hidden, "hidden"),
+                                                        detail::to_matrix_view(weight, "weight"),
+                                                        {ids.data, ids.rows * ids.cols}};
+    in.set_size = ids.cols;
+    return in;
+  }
+
+  // A matrix of one value per target id ([N, K], like the targets), flattened;
+  // an empty one ([0, 0], the default) stays empty: not computed, or zero.
+  template <class E, class TargetSets>
+  static vector_view<E> per_id(const matrix_view<E>& values, const TargetSets& targets, const char* name) {
+    if (values.rows == 0 && values.cols == 0) return {};
+    const auto ids = detail::to_matrix_view(targets, "targets");
+    detail::expects(values.rows == ids.rows && values.cols == ids.cols, name, ": [", values.rows, ", ", values.cols,
+            "] does not match the targets' [", ids.rows, ", ", ids.cols, "]");
+    detail::expects(values.rows <= 1 || values.ld == values.cols, name, ": [", values.rows, ", ", values.cols,
+            "] must be dense rows (ld ", values.ld, " != ", values.cols, ")");
+    return {values.data, values.rows * values.cols};
   }
 
   // Outputs of per-token results: float or double, writable.

@@ -155,6 +155,44 @@ mirrored_vector<E> mirror(const lce::vector_view<E>& v, const char* what) {
   return {v, mirrored_span<E>(v.data, span_of(v), what)};
 }
 
+// Target-set calls take their per-token views in a struct: each member mirrored.
+template <class E>
+struct mirrored_set_outputs {
+  mirrored_matrix<E> logprobs;
+  mirrored_vector<E> lse, entropy, mean_logit;
+  lce::target_set_outputs<E> view() const { return {logprobs.view(), lse.view(), entropy.view(), mean_logit.view()}; }
+  void finish() {
+    logprobs.finish();
+    lse.finish();
+    entropy.finish();
+    mean_logit.finish();
+  }
+};
+template <class E>
+mirrored_set_outputs<E> mirror(const lce::target_set_outputs<E>& o, const char*) {
+  return {mirror(o.logprobs, "logprobs"), mirror(o.lse, "lse"), mirror(o.entropy, "entropy"),
+          mirror(o.mean_logit, "mean_logit")};
+}
+template <class E>
+struct mirrored_set_gradients {
+  mirrored_matrix<const E> logprobs;
+  mirrored_vector<const E> entropy, lse, mean_logit;
+  lce::target_set_gradients<E> view() const {
+    return {logprobs.view(), entropy.view(), lse.view(), mean_logit.view()};
+  }
+  void finish() {
+    logprobs.finish();
+    entropy.finish();
+    lse.finish();
+    mean_logit.finish();
+  }
+};
+template <class E>
+mirrored_set_gradients<E> mirror(const lce::target_set_gradients<E>& g, const char*) {
+  return {mirror(g.logprobs, "grad_logprobs"), mirror(g.entropy, "grad_entropy"), mirror(g.lse, "grad_lse"),
+          mirror(g.mean_logit, "grad_mean_logit")};
+}
+
 // The device operator behind the host operator's interface (see above).
 template <class T, class Chunk = lce::budget_chunk>
 class device_op {

@@ -17,6 +17,7 @@
 #include "cases/edge_cases.hpp"
 #include "cases/error_cases.hpp"
 #include "cases/forward_cases.hpp"
+#include "cases/target_set_cases.hpp"
 
 #include <cuda/std/mdspan>
 
@@ -65,6 +66,15 @@ TEST_CASE_TEMPLATE("cuda: strided hidden, weight, grad_hidden, grad_weight: corr
 
 TEST_CASE_TEMPLATE("cuda: int32 and int64 targets give identical results", T, LCE_CUDA_TYPES) {
   cases::int32_and_int64_targets<cuda_env, T>();
+}
+
+TEST_CASE_TEMPLATE("cuda: target sets: forward gives each id's log-prob, lse and entropy", T, LCE_CUDA_TYPES) {
+  lce_test::cases::target_sets_forward<lce_test::cuda_env, T>();
+}
+
+TEST_CASE_TEMPLATE("cuda: target sets: backward and forward_backward match the materialised gradient", T,
+                   LCE_CUDA_TYPES) {
+  lce_test::cases::target_sets_gradients<lce_test::cuda_env, T>();
 }
 
 TEST_CASE_TEMPLATE("cuda: errors: the fixture itself is valid", T, LCE_CUDA_TYPES) {

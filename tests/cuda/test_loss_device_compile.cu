@@ -46,6 +46,11 @@ void instantiate_all(Policy&& exec, const R* logp, const I* targets, const C* cu
   const lce::dpo_inputs<R, std::int64_t> dpo_in{{logp, n}, {seq_ref, s}, {pairs, s}};
   (void)lce::dpo_loss(exec, batch, dpo_in, 1.0,
                       lce::dpo_outputs<G>{{grad, n}, {seq_a, s}, {seq_b, s}, {seq_tokens, s}}, lce::dpo_options{});
+  // Distillation from a teacher's top-K (here K = 1: the targets as ids, logp as both log-probs)
+  const lce::distill_inputs<I, const R> distill_in{{targets, n, 1}, {logp, n, 1}, {logp, n, 1}};
+  (void)lce::distill_loss(exec, batch, distill_in, 1.0,
+                          lce::distill_outputs<G>{{grad, n, 1}, {seq_a, s}, {seq_tokens, s}},
+                          lce::distill_options{lce::loss_reduction::sequence_mean, lce::distill_tail::renormalise});
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #define DOCTEST_CONFIG_IMPLEMENT
 #include "distributed_cases.hpp"
 #include "hardening_cases.hpp"
+#include "target_set_cases.hpp"
 
 #include <lce/comm/mpi.hpp>
 
@@ -24,6 +25,15 @@ lce::comm::mpi world() { return lce::comm::mpi{MPI_COMM_WORLD}; }
 TEST_CASE_TEMPLATE("mpi: vocabulary and sequence parallel results equal a single-rank run", T, float, double,
                    lce::bfloat16, lce::float16) {
   lce_dist::check_all_configurations<T>(world());
+}
+
+TEST_CASE_TEMPLATE("mpi: target sets [N, K] over vocabulary and sequence parallel ranks equal a single-rank run", T,
+                   float, lce::bfloat16) {
+  lce_dist::check_target_sets<T>(world());
+}
+
+TEST_CASE("mpi: ranks passing target sets of different K raise lce::error together") {
+  lce_dist::check_target_set_disagreement(world());
 }
 
 TEST_CASE("mpi: bad input on one rank raises lce::error on every rank, before any output is written") {

@@ -7,6 +7,7 @@
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include "distributed_cases.hpp"
 #include "hardening_cases.hpp"
+#include "target_set_cases.hpp"
 
 #include <lce/comm/threads.hpp>
 
@@ -21,6 +22,21 @@ TEST_CASE_TEMPLATE("threads: vocabulary and sequence parallel results equal a si
   for (int ranks = 1; ranks <= max_ranks; ++ranks) {
     CAPTURE(ranks);
     lce_dist::run_on_threads(ranks, [](lce::comm::threads comm) { lce_dist::check_all_configurations<T>(comm); });
+  }
+}
+
+TEST_CASE_TEMPLATE("threads: target sets [N, K] over vocabulary and sequence parallel ranks equal a single-rank run", T,
+                   float, double, lce::bfloat16) {
+  for (int ranks = 1; ranks <= max_ranks; ++ranks) {
+    CAPTURE(ranks);
+    lce_dist::run_on_threads(ranks, [](lce::comm::threads comm) { lce_dist::check_target_sets<T>(comm); });
+  }
+}
+
+TEST_CASE("threads: ranks passing target sets of different K raise lce::error together") {
+  for (int ranks = 2; ranks <= max_ranks; ++ranks) {
+    CAPTURE(ranks);
+    lce_dist::run_on_threads(ranks, [](lce::comm::threads comm) { lce_dist::check_target_set_disagreement(comm); });
   }
 }
 

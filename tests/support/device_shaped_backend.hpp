@@ -48,13 +48,20 @@ struct device_shaped_backend {
   template <class A, class I>
   void row_statistics(const lce::statistics_args<A, I>&) {}
   template <class A>
-  void merge_partials(const lce::detail::row_partial<A>*, int, std::int64_t, lce::detail::row_partial<A>*) {}
+  void merge_partials(const lce::detail::row_partial<A>*, int, std::int64_t, std::int64_t,
+                      lce::detail::row_partial<A>*) {}
   template <class A, class I>
   void finalize_rows(const lce::finalize_args<A, I>&, std::int64_t) {}
   template <class A, class I>
   void mean_centred_logits(const lce::mean_centred_logit_args<A, I>&) {}
   template <class A, class I, class Out>
   void logit_gradients(const lce::gradient_args<A, I, Out>&) {}
+  template <class A, class I>
+  void target_set_rows(const lce::target_set_args<A, I>&, std::int64_t) {}
+  template <class A, class I>
+  void target_set_logits(const lce::target_set_args<A, I>&, std::int64_t) {}
+  template <class A, class I>
+  void target_set_logprobs(const lce::target_set_args<A, I>&, std::int64_t) {}
 };
 
 }  // namespace lce_test

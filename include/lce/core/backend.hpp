@@ -108,6 +108,15 @@ struct gradient_args {
   const Compute* grad_mean_logit = nullptr;     // [rows] or null: dL/d(mean logit) (label smoothing), adds it / V
   Compute inverse_vocab = 0;                    // 1 / V, the whole vocabulary (with grad_mean_logit)
   const detail::row_partial<Compute>* exp_row_max = nullptr;  // [rows] or null: see above
+  // A target set (K ids per row, e.g. a teacher's top-K): grad_logprobs then
+  // holds each row's sum of set_grads over its counted ids (the -G p of every
+  // logit), and each id this shard holds adds its own g at its column, times
+  // the soft-cap's slope at its logit z (set_logits, gathered before the block
+  // became dz; read only with a soft-cap). A row of ids all ignored is zero.
+  const Index* set_ids = nullptr;          // [rows, set_size], global ids, or null
+  const Compute* set_grads = nullptr;      // [rows, set_size]: dL/dlogp of each id
+  const Compute* set_logits = nullptr;     // [rows, set_size]: z at each id held here
+  std::int64_t set_size = 0;
   // When set, dz goes here in the backend's GEMM operand type (same ld as
   // the logit block) and the block itself is left as it was: set only for a
   // backend whose gemm_operand is not the compute type.
@@ -125,6 +134,29 @@ struct mean_centred_logit_args {
   Compute* out = nullptr;
 };
 
+// The passes over a chunk's target sets ([rows, K] ids, dense). Each row of a
+// set call stands in for the single-target passes with `stand_ins[r]`:
+// ignore_index when all its ids are ignored, else an id no shard holds
+// (detail::held_by_no_shard), so the row's lse, entropy and dz are computed
+// and no single-target term is added.
+//   target_set_rows      stand_ins, and (with grads) grad_sums[r] = sum_k grads[r, k] over ids not ignored
+//   target_set_logits    values[r, k] = z at ids[r, k] where this shard holds it, else 0 (so ranks sum them)
+//   target_set_logprobs  out[r, k] = values[r, k] - lse[r], or 0 for an ignored id
+template <class Compute, class Index>
+struct target_set_args {
+  vector_view<const Index> ids;  // [rows * set_size], row-major
+  std::int64_t set_size = 0;
+  std::int64_t vocab_start = 0;
+  std::int64_t ignore_index = -100;
+  Index* stand_ins = nullptr;           // out [rows]
+  const Compute* grads = nullptr;       // [rows * set_size] or null
+  Compute* grad_sums = nullptr;         // out [rows] (with grads)
+  matrix_view<const Compute> logits;    // [rows, vocab_local], soft-capped if a soft-cap is set
+  Compute* values = nullptr;            // out (target_set_logits), in (target_set_logprobs)
+  const Compute* lse = nullptr;         // [rows]
+  Compute* out = nullptr;               // [rows * set_size]
+};
+
 // The contract of a backend, checked on fp32 and a 2-byte storage type.
 template <class B>
 concept backend =
@@ -134,8 +166,8 @@ concept backend =
              matrix_view<bfloat16> out_half, vector_view<const double> cvec, vector_view<float> vec,
              statistics_args<float, std::int64_t> statistics, finalize_args<float, std::int32_t> finalize,
              gradient_args<float, std::int64_t> gradient, mean_centred_logit_args<float, std::int32_t> mean_centred,
-             const detail::row_partial<float>* gathered, detail::row_partial<float>* merged, std::int64_t count,
-             int ranks, float alpha) {
+             target_set_args<float, std::int32_t> target_set, const detail::row_partial<float>* gathered,
+             detail::row_partial<float>* merged, std::int64_t count, int ranks, float alpha) {
       // Workspace: 64-byte aligned, allocated before a sweep, never inside it.
       { b.allocate(bytes) } -> std::same_as<void*>;
       b.deallocate(pointer, bytes);
@@ -153,10 +185,14 @@ concept backend =
       // Row passes.
       b.soft_cap(mat, detail::soft_cap_map<float>{});
       b.row_statistics(statistics);
-      b.merge_partials(gathered, ranks, count, merged);
+      // Rank k's partials start at gathered + k * stride (stride >= count).
+      b.merge_partials(gathered, ranks, count, count, merged);
       b.finalize_rows(finalize, count);
       b.logit_gradients(gradient);
       b.mean_centred_logits(mean_centred);
+      b.target_set_rows(target_set, count);
+      b.target_set_logits(target_set, count);
+      b.target_set_logprobs(target_set, count);
     };
 
 LCE_END_NAMESPACE

@@ -134,6 +134,13 @@ LCE_HOST_DEVICE inline std::int64_t local_target(I target, std::int64_t vocab_st
   return id != ignore_index && local >= 0 && local < columns ? local : -1;
 }
 
+// The single target a row of a target set stands in with when not all its
+// ids are ignored: an id outside every shard that is not ignore_index, so the
+// row counts but no single-target term lands anywhere.
+LCE_HOST_DEVICE constexpr std::int64_t held_by_no_shard(std::int64_t ignore_index) {
+  return ignore_index == -1 ? -2 : -1;
+}
+
 // The statistics of a row over part of the vocabulary (one block, one rank).
 // Partials merge associatively, which is what lets the vocabulary be split
 // across blocks and ranks. `target_logit` is 0 where the part does not hold

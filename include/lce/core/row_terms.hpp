@@ -27,4 +27,26 @@ struct row_gradients {
   vector_view<const E> mean_logit;  // label smoothing eps: -eps per counted token (times its weight)
 };
 
+// Target sets: targets [N, K], K ids per token (a teacher's top-K, several
+// references): the log-prob of each id, and its gradient, as dense [N, K]
+// matrices (row-major, ld = K); the per-token vectors as above. An id equal
+// to ignore_index gives log-prob 0 and takes no gradient; a token whose K ids
+// are all ignored is an ignored token (entropy and mean logit 0, no gradient;
+// its lse is still computed).
+template <result_type E = float>
+struct target_set_outputs {
+  matrix_view<E> logprobs;    // [N, K]
+  vector_view<E> lse;         // [N]
+  vector_view<E> entropy;     // [N]
+  vector_view<E> mean_logit;  // [N]
+};
+
+template <result_type E = float>
+struct target_set_gradients {
+  matrix_view<const E> logprobs;  // [N, K] dL/dlog p of each id
+  vector_view<const E> entropy;
+  vector_view<const E> lse;
+  vector_view<const E> mean_logit;
+};
+
 LCE_END_NAMESPACE

@@ -170,12 +170,12 @@ class cuda_backend {
   }
 
   template <class A>
-  void merge_partials(const detail::row_partial<A>* gathered, int ranks, std::int64_t rows,
+  void merge_partials(const detail::row_partial<A>* gathered, int ranks, std::int64_t rows, std::int64_t stride,
                       detail::row_partial<A>* merged) {
     const auto launch = detail::cuda_launch::one_thread_per_item(rows);
     if (launch.blocks == 0) return;
     detail::cuda_kernels::merge_partials_kernel<A>
-        <<<launch_blocks(launch), launch.threads, 0, stream()>>>(gathered, ranks, rows, merged);
+        <<<launch_blocks(launch), launch.threads, 0, stream()>>>(gathered, ranks, rows, stride, merged);
     LCE_CUDA_TRY(cudaGetLastError());
   }
 
@@ -221,6 +221,36 @@ class cuda_backend {
       capped ? run(k::logit_gradient_kernel<A, I, Out, false, true, false>)
              : run(k::logit_gradient_kernel<A, I, Out, false, false, false>);
     }
+    if (args.set_grads) {
+      detail::expects(!args.exp_row_max, "cuda_backend::logit_gradients: a target set goes without exp_row_max");
+      const auto items = detail::cuda_launch::one_thread_per_item(args.logits.rows * args.set_size);
+      if (items.blocks == 0) return;
+      const auto fix = [&](auto kernel) {
+        kernel<<<launch_blocks(items), items.threads, 0, stream()>>>(args, out, args.logits.rows);
+        LCE_CUDA_TRY(cudaGetLastError());
+      };
+      if (args.grad_entropy)
+        capped ? fix(k::target_set_gradient_kernel<A, I, Out, true, true>)
+               : fix(k::target_set_gradient_kernel<A, I, Out, true, false>);
+      else
+        capped ? fix(k::target_set_gradient_kernel<A, I, Out, false, true>)
+               : fix(k::target_set_gradient_kernel<A, I, Out, false, false>);
+    }
+  }
+
+  // ---- target sets ------------------------------------------------------------
+
+  template <class A, class I>
+  void target_set_rows(const target_set_args<A, I>& args, std::int64_t rows) {
+    launch_per_item(rows, detail::cuda_kernels::target_set_rows_kernel<A, I>, args, rows);
+  }
+  template <class A, class I>
+  void target_set_logits(const target_set_args<A, I>& args, std::int64_t rows) {
+    launch_per_item(rows * args.set_size, detail::cuda_kernels::target_set_logits_kernel<A, I>, args, rows);
+  }
+  template <class A, class I>
+  void target_set_logprobs(const target_set_args<A, I>& args, std::int64_t rows) {
+    launch_per_item(rows * args.set_size, detail::cuda_kernels::target_set_logprobs_kernel<A, I>, args, rows);
   }
 
   // ---- targets ---------------------------------------------------------------
@@ -251,6 +281,14 @@ class cuda_backend {
   }
 
  private:
+  template <class Kernel, class... Args>
+  void launch_per_item(std::int64_t items, Kernel kernel, const Args&... args) {
+    const auto launch = detail::cuda_launch::one_thread_per_item(items);
+    if (launch.blocks == 0) return;
+    kernel<<<launch_blocks(launch), launch.threads, 0, stream()>>>(args...);
+    LCE_CUDA_TRY(cudaGetLastError());
+  }
+
   // Owned by one backend object (moved with it, never shared): the cuBLAS
   // handle bound to the stream, and the scan's small buffers.
   struct state {

@@ -35,7 +35,8 @@ enum class call_kind : std::int64_t { forward = 1, backward = 3, forward_backwar
 inline std::string describe_call(std::int64_t call) {
   static constexpr const char* outputs[] = {"logprobs", "lse", "entropy", "mean_logit"};
   static constexpr const char* gradients[] = {"grad_logprobs", "grad_entropy", "grad_lse", "grad_mean_logit"};
-  const std::int64_t kind = call & 0xff, terms = call >> 8;
+  // Bits 0-7 the kind, 8-15 which per-token vectors, 16 on the target set's size K.
+  const std::int64_t kind = call & 0xff, terms = call >> 8 & 0xff, set_size = call >> 16;
   std::string text;
   std::int64_t output_bits = 0, gradient_bits = 0;
   if (kind == static_cast<std::int64_t>(call_kind::forward)) {
@@ -60,6 +61,7 @@ inline std::string describe_call(std::int64_t call) {
   };
   list(gradients, gradient_bits);
   list(outputs, output_bits);
+  if (set_size > 0) text += (first ? "" : ", ") + std::string("target sets of ") + std::to_string(set_size);
   return text + ")";
 }
 

@@ -178,21 +178,24 @@ class engine {
 
   // Rows of the logit block per chunk this rank would use for a call over
   // n_tokens tokens (with several ranks, the call uses the smallest over ranks).
-  std::int64_t chunk_tokens(std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local) const {
-    check_sizes("chunk_tokens", n_tokens, hidden, vocab_local);
-    return plan_for(n_tokens, hidden, vocab_local).chunk;
+  // `set_size`: K for calls with target sets of K ids per token.
+  std::int64_t chunk_tokens(std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local,
+                            std::int64_t set_size = 0) const {
+    check_sizes("chunk_tokens", n_tokens, hidden, vocab_local, set_size);
+    return plan_for(n_tokens, hidden, vocab_local, 0, set_size).chunk;
   }
 
   // The buffer of a sweep plus the [V_local, H] accumulator in the compute
   // type that a grad_weight of another element type needs (dW across chunks
   // accumulates in fp32, or double for T = double): any T but float allows
   // one. Raises lce::error if it does not fit in size_t.
-  std::size_t workspace_bytes(std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local) const {
-    check_sizes("workspace_bytes", n_tokens, hidden, vocab_local);
+  std::size_t workspace_bytes(std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local,
+                              std::int64_t set_size = 0) const {
+    check_sizes("workspace_bytes", n_tokens, hidden, vocab_local, set_size);
     const checked_size accumulator = std::same_as<T, float> ? checked_size{}
                                                                : checked_size::of(vocab_local) *
                                                                      checked_size::of(hidden) * sizeof(Compute);
-    const checked_size total = checked_size(plan_for(n_tokens, hidden, vocab_local).bytes) + accumulator;
+    const checked_size total = checked_size(plan_for(n_tokens, hidden, vocab_local, 0, set_size).bytes) + accumulator;
     expects(!total.overflow, "workspace_bytes: the dW accumulator of vocab_local ", vocab_local, " x hidden ",
             hidden, " needs more bytes than size_t holds");
     return total.value;
@@ -221,6 +224,7 @@ class engine {
     [[maybe_unused]] const auto backend_call = begin_backend_call();
     sweep_type sweep(comm_, backend_, options_, call.plan, call.workspace, call.vocab);
     sweep.run(in, [&](const auto& c) {
+      if (c.set_size > 0) sweep.target_set_rows(c, /*with_grads=*/false);
       sweep.forward_statistics(c, out.has_entropy, /*keep_exp=*/false, out.has_mean_logit);
       scatter_outputs(sweep, c, out);
     });
@@ -239,7 +243,7 @@ class engine {
     exclusive_call busy(busy_, "backward");
     const auto call = prepare(conversion, in, call_kind::backward, grads.mask(), grad_weight, [&](std::int64_t n) {
       check_rows(lse, "lse", n, "targets");
-      check_given(grads, n);
+      check_given(grads, n, in.set_size);
       check_gradients(in, grad_hidden, grad_weight);
       check_no_alias({hidden_bytes(in), weight_bytes(in), target_bytes(in), bytes_of(lse, "lse"),
                       bytes_of(grads.logprobs, "grad_logprobs"), bytes_of(grads.entropy, "grad_entropy"),
@@ -253,8 +257,10 @@ class engine {
     sweep.run(in, [&](const auto& c) {
       using Chunk_ = std::remove_cvref_t<decltype(c)>;
       sweep.recompute_logits(c);
+      begin_target_set(sweep, c, grads);
       sweep.gather_rows(c, lse, row_lse);
       auto args = gather_given(sweep, c, grads);
+      if (c.set_size > 0 && grads.has_logprobs && sweep.scaling().soft_cap.enabled()) sweep.target_set_logits(c);
       if (grads.has_entropy) {
         backend_.mean_centred_logits(mean_centred_logit_args<Compute, typename Chunk_::index>{
             c.logits, c.targets, options_.ignore_index, c.row(row_lse), c.row(row_mean_centred)});
@@ -283,7 +289,7 @@ class engine {
     exclusive_call busy(busy_, "forward_backward");
     const auto call = prepare(conversion, in, call_kind::forward_backward, grads.mask() | out.mask() << 4,
                               grad_weight, [&](std::int64_t n) {
-                                check_given(grads, n);
+                                check_given(grads, n, in.set_size);
                                 check_outputs(in, out, n,
                                               {bytes_of(grads.logprobs, "grad_logprobs"),
                                                bytes_of(grads.entropy, "grad_entropy"), bytes_of(grads.lse, "grad_lse"),
@@ -300,8 +306,11 @@ class engine {
     // Without a soft-cap (or an entropy term) the statistics pass leaves
     // exp(z - max) behind, and dz = -g exp(z - lse) is a per-row rescale of
     // it: one exp per logit.
-    const bool keep_exp = reuses_exp_block<Backend>() && !sweep.scaling().soft_cap.enabled() && !with_entropy;
+    // A target set's logits are read after the statistics pass: no exp left in the block then.
+    const bool keep_exp = reuses_exp_block<Backend>() && !sweep.scaling().soft_cap.enabled() && !with_entropy &&
+                          in.set_size == 0;
     sweep.run(in, [&](const auto& c) {
+      begin_target_set(sweep, c, grads);
       sweep.forward_statistics(c, with_entropy, keep_exp, out.has_mean_logit);
       scatter_outputs(sweep, c, out);
       auto args = gather_given(sweep, c, grads);
@@ -328,7 +337,7 @@ class engine {
   void check_outputs(const operator_inputs<T, Index>& in, const row_output_views<Logprobs, Lse, Entropy, MeanLogit>& out,
                      std::int64_t n, std::initializer_list<byte_range> more_inputs,
                      std::initializer_list<byte_range> more_outputs = {}) const {
-    if (out.has_logprobs) check_rows(out.logprobs, "logprobs", n, "targets");
+    if (out.has_logprobs) check_logprob_rows(out.logprobs, "logprobs", n, in.set_size);
     if (out.has_lse) check_rows(out.lse, "lse", n, "targets");
     if (out.has_entropy) check_rows(out.entropy, "entropy", n, "targets");
     if (out.has_mean_logit) check_rows(out.mean_logit, "mean_logit", n, "targets");
@@ -340,10 +349,19 @@ class engine {
     check_no_alias(inputs, outputs);
   }
 
+  // Log-probs and their gradients: one per token, or [N, K] (flattened) for target sets of K.
+  template <class E>
+  static void check_logprob_rows(const vector_view<E>& v, const char* name, std::int64_t n, std::int64_t set_size) {
+    if (set_size == 0) return check_rows(v, name, n, "targets");
+    check_vector(v, name);
+    expects(v.size == n * set_size, name, ": ", v.size, " values do not match the targets' [", n, ", ", set_size,
+            "] (one per target id)");
+  }
+
   template <class GradLogprobs, class GradEntropy, class GradLse, class GradMeanLogit>
   static void check_given(const row_gradient_views<GradLogprobs, GradEntropy, GradLse, GradMeanLogit>& grads,
-                          std::int64_t n) {
-    if (grads.has_logprobs) check_rows(grads.logprobs, "grad_logprobs", n, "targets");
+                          std::int64_t n, std::int64_t set_size) {
+    if (grads.has_logprobs) check_logprob_rows(grads.logprobs, "grad_logprobs", n, set_size);
     if (grads.has_entropy) check_rows(grads.entropy, "grad_entropy", n, "targets");
     if (grads.has_lse) check_rows(grads.lse, "grad_lse", n, "targets");
     if (grads.has_mean_logit) check_rows(grads.mean_logit, "grad_mean_logit", n, "targets");
@@ -352,7 +370,10 @@ class engine {
   template <class Chunk_, class Logprobs, class Lse, class Entropy, class MeanLogit>
   static void scatter_outputs(sweep_type& sweep, const Chunk_& c,
                               const row_output_views<Logprobs, Lse, Entropy, MeanLogit>& out) {
-    if (out.has_logprobs) sweep.scatter_rows(c, row_logprobs, out.logprobs);
+    if (out.has_logprobs) {
+      if (c.set_size > 0) sweep.scatter_set(c, c.set_logprobs, out.logprobs);
+      else sweep.scatter_rows(c, row_logprobs, out.logprobs);
+    }
     if (out.has_lse) sweep.scatter_rows(c, row_lse, out.lse);
     if (out.has_entropy) sweep.scatter_rows(c, row_entropy, out.entropy);
     if (out.has_mean_logit) sweep.scatter_rows(c, row_mean_logit, out.mean_logit);
@@ -363,12 +384,17 @@ class engine {
   template <class Chunk_, class GradLogprobs, class GradEntropy, class GradLse, class GradMeanLogit>
   auto gather_given(sweep_type& sweep, const Chunk_& c,
                     const row_gradient_views<GradLogprobs, GradEntropy, GradLse, GradMeanLogit>& grads) {
-    if (grads.has_logprobs) {
+    if (grads.has_logprobs && c.set_size == 0) {
       sweep.gather_rows(c, grads.logprobs, row_grad_logprobs);
-    } else {
+    } else if (!grads.has_logprobs) {
       backend_.fill_zero(matrix_view<Compute>{c.row(row_grad_logprobs), 1, c.rows, c.rows});
-    }
+    }  // else: a target set's row sums, from begin_target_set
     auto args = sweep.gradient_base(c);
+    if (!grads.has_logprobs) {
+      args.set_ids = nullptr;
+      args.set_grads = nullptr;
+      args.set_size = 0;
+    }
     if (grads.has_entropy) {
       sweep.gather_rows(c, grads.entropy, row_grad_entropy);
       args.grad_entropy = c.row(row_grad_entropy);
@@ -383,6 +409,16 @@ class engine {
     }
     return args;
   }
+  // A target-set chunk: its gradients (if given) gathered, then its stand-in
+  // targets and their rows' gradient sums, before any pass reads c.targets.
+  template <class Chunk_, class GradLogprobs, class GradEntropy, class GradLse, class GradMeanLogit>
+  static void begin_target_set(sweep_type& sweep, const Chunk_& c,
+                               const row_gradient_views<GradLogprobs, GradEntropy, GradLse, GradMeanLogit>& grads) {
+    if (c.set_size == 0) return;
+    if (grads.has_logprobs) sweep.gather_set(c, grads.logprobs, c.set_grads);
+    sweep.target_set_rows(c, grads.has_logprobs);
+  }
+
   struct no_weight_gradient_t {};
   static constexpr no_weight_gradient_t no_weight_gradient{};
 
@@ -397,12 +433,13 @@ class engine {
       return 0;
   }
 
-  static void check_sizes(const char* call, std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local) {
-    expects(n_tokens >= 0 && hidden >= 0 && vocab_local >= 0, call, ": negative size (n_tokens ", n_tokens,
-            ", hidden ", hidden, ", vocab_local ", vocab_local, ")");
+  static void check_sizes(const char* call, std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local,
+                          std::int64_t set_size = 0) {
+    expects(n_tokens >= 0 && hidden >= 0 && vocab_local >= 0 && set_size >= 0, call, ": negative size (n_tokens ",
+            n_tokens, ", hidden ", hidden, ", vocab_local ", vocab_local, ", set_size ", set_size, ")");
   }
 
-  workspace_shape shape_of(std::int64_t hidden, std::int64_t vocab_local) const {
+  workspace_shape shape_of(std::int64_t hidden, std::int64_t vocab_local, std::int64_t set_size = 0) const {
     workspace_shape shape;
     shape.hidden = hidden;
     shape.vocab_local = vocab_local;
@@ -413,6 +450,7 @@ class engine {
     shape.sequence_parallel = sequence_parallel();
     shape.storage_bytes = sizeof(T);
     shape.weight_block_elements = backend_.template weight_block_elements<T>(hidden, vocab_local);
+    shape.set_size = set_size;
     return shape;
   }
 
@@ -420,8 +458,8 @@ class engine {
   // who decides), and the plan for it; `agreed_rows` > 0 caps it at what the
   // ranks agreed on.
   workspace_plan<Compute> plan_for(std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local,
-                                   std::int64_t agreed_rows = 0) const {
-    const auto shape = shape_of(hidden, vocab_local);
+                                   std::int64_t agreed_rows = 0, std::int64_t set_size = 0) const {
+    const auto shape = shape_of(hidden, vocab_local, set_size);
     std::int64_t rows = 0;
     if constexpr (fixed_chunk_policy<Chunk>) {
       rows = Chunk::tokens;
@@ -439,7 +477,7 @@ class engine {
       rows = std::max<std::int64_t>(1, static_cast<std::int64_t>(Chunk{}.tokens_per_chunk(request)));
     }
     if (agreed_rows > 0) rows = std::min(rows, agreed_rows);
-    rows = std::min(rows, message_row_limit(hidden));
+    rows = std::min(rows, message_row_limit(hidden, set_size));
     const std::int64_t share = shape.sequence_parallel ? shape.ranks : 1;
     const std::int64_t local_tokens = n_tokens / share;
     const std::int64_t local_chunk =
@@ -449,10 +487,12 @@ class engine {
 
   // The most logit-block rows whose per-chunk messages (dX rows of H, the
   // gathered hidden rows, the row partials) fit the communicator's count.
-  std::int64_t message_row_limit(std::int64_t hidden) const {
+  std::int64_t message_row_limit(std::int64_t hidden, std::int64_t set_size) const {
     if (comm_.size() == 1) return INT64_MAX;
-    const std::int64_t widest = std::max(static_cast<std::int64_t>(sizeof(Compute)) * std::max<std::int64_t>(hidden, 1),
-                                         static_cast<std::int64_t>(sizeof(row_partial<Compute>)));
+    const auto compute_bytes = static_cast<std::int64_t>(sizeof(Compute));
+    const std::int64_t widest =
+        std::max(compute_bytes * std::max<std::int64_t>(hidden, 1),
+                 static_cast<std::int64_t>(sizeof(row_partial<Compute>)) + compute_bytes * set_size + 1);
     return std::max<std::int64_t>(1, message_byte_limit(comm_) / widest);
   }
 
@@ -469,9 +509,9 @@ class engine {
     if (failure.empty()) {
       failure = failure_of([&] {
         check_inputs(in);
-        call_checks(in.targets.size);
+        call_checks(in.tokens());
         targets = scan(in.targets);
-        call.plan = plan_for(in.targets.size, in.hidden.cols, in.weight.rows);
+        call.plan = plan_for(in.tokens(), in.hidden.cols, in.weight.rows, 0, in.set_size);
         call.workspace = workspace_.reserve(backend_, call.plan.bytes, "workspace");
         if constexpr (!std::same_as<GradWeight, no_weight_gradient_t>) {
           if constexpr (!std::same_as<element_of<GradWeight>, Compute>) {
@@ -492,7 +532,7 @@ class engine {
     }
     mine.ok = failure.empty() ? 1 : 0;
     if (failure.empty()) {
-      mine.n_tokens = in.targets.size;
+      mine.n_tokens = in.tokens();
       mine.hidden = in.hidden.cols;
       mine.vocab_start = options_.vocab_start;
       mine.vocab_local = in.weight.rows;
@@ -501,7 +541,7 @@ class engine {
       mine.ignore_index = options_.ignore_index;
       mine.temperature_bits = float_bits(options_.temperature);
       mine.softcap_bits = float_bits(options_.softcap);
-      mine.call = static_cast<std::int64_t>(kind) | terms << 8;
+      mine.call = static_cast<std::int64_t>(kind) | terms << 8 | in.set_size << 16;
       mine.targets_hash = targets.hash;
     }
     const agreed_call agreed = agreement_.agree(comm_, mine, failure);
@@ -510,7 +550,7 @@ class engine {
     check_target_ids(targets, in.targets, agreement_.vocab());
     call.vocab = agreement_.vocab();
     if (agreed.chunk < call.plan.chunk)
-      call.plan = plan_for(in.targets.size, in.hidden.cols, in.weight.rows, agreed.chunk);
+      call.plan = plan_for(in.tokens(), in.hidden.cols, in.weight.rows, agreed.chunk, in.set_size);
     return call;
   }
 
@@ -566,11 +606,11 @@ class engine {
             in.weight.cols, " columns (the hidden size)");
     expects(in.hidden.cols > 0, "hidden: the hidden size (columns) must be > 0, got ", in.hidden.cols);
     if (sequence_parallel()) {
-      expects(in.targets.size == in.hidden.rows * comm_.size(), "targets: size ", in.targets.size,
+      expects(in.tokens() == in.hidden.rows * comm_.size(), "targets: size ", in.tokens(),
               " is not ranks (", comm_.size(), ") x the ", in.hidden.rows,
               " rows of hidden on this rank (sequence parallel: every rank holds an equal share of the tokens)");
     } else {
-      expects(in.targets.size == in.hidden.rows, "targets: size ", in.targets.size, " does not match the ",
+      expects(in.tokens() == in.hidden.rows, "targets: size ", in.tokens(), " does not match the ",
               in.hidden.rows, " rows of hidden");
     }
     expects(in.weight.rows > 0, "weight: this rank's vocabulary shard is empty (0 rows)");

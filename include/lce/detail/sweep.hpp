@@ -29,11 +29,17 @@
 LCE_BEGIN_NAMESPACE
 namespace detail {
 
+// `targets` holds one id per token, or with set_size = K > 0 a target set
+// of K ids per token, row-major ([N, K] flattened).
 template <class T, class Index>
 struct operator_inputs {
   matrix_view<const T> hidden;
   matrix_view<const T> weight;
   vector_view<const Index> targets;
+  std::int64_t set_size = 0;
+
+  std::int64_t ids_per_token() const { return set_size > 0 ? set_size : 1; }
+  std::int64_t tokens() const { return targets.size / ids_per_token(); }
 };
 
 // How the raw logits s = x . w become the logits z of the softmax:
@@ -71,7 +77,12 @@ struct chunk {
   std::int64_t local_tokens = 0;    // hidden rows per rank (sequence parallel)
   matrix_view<const Operand> hidden;  // [rows, H] in the GEMMs' operand type
   matrix_view<const T> weight;        // [V_local, H]
-  vector_view<const Index> targets;   // [rows]
+  vector_view<const Index> targets;   // [rows]: the targets, or a target set's stand-ins (target_set_args)
+  vector_view<const Index> set_ids;   // [rows * set_size] (a target-set call), else empty
+  std::int64_t set_size = 0;
+  Compute* set_logits = nullptr;      // [rows * set_size]: z at the ids, right after this rank's partials
+  Compute* set_logprobs = nullptr;    // [rows * set_size]
+  Compute* set_grads = nullptr;       // [rows * set_size]
   matrix_view<Compute> logits;        // [rows, V_local], becomes dz
   matrix_view<Operand> dz_operand;    // dz in the GEMMs' operand type when that is not Compute, else empty
   matrix_view<Compute> grad_hidden_stage;
@@ -125,6 +136,11 @@ class chunk_sweep {
     auto* const grad_hidden_stage = static_cast<Compute*>(at(plan_.grad_hidden_stage));
     auto* const gathered_targets = static_cast<Index*>(at(plan_.targets));
     auto* const dz_operand = static_cast<Operand*>(at(plan_.gradient_operand));
+    const std::int64_t k_ids = in.set_size;
+    c.set_size = k_ids;
+    auto* const gathered_set_ids = static_cast<Index*>(at(plan_.set_ids));
+    c.set_logprobs = static_cast<Compute*>(at(plan_.set_logprobs));
+    c.set_grads = static_cast<Compute*>(at(plan_.set_grads));
 
     for (std::int64_t first = 0; first < in.hidden.rows; first += plan_.local_chunk, ++c.ordinal) {
       c.local_first = first;
@@ -133,17 +149,30 @@ class chunk_sweep {
       c.logits = {logits, c.rows, in.weight.rows, plan_.logits_ld};
       if constexpr (dz_in_own_block) c.dz_operand = {dz_operand, c.rows, in.weight.rows, plan_.logits_ld};
       c.grad_hidden_stage = {grad_hidden_stage, c.rows, h, h};
+      c.set_logits = reinterpret_cast<Compute*>(c.partials + c.rows);
       try {
-        if (sp) {
+        if (k_ids > 0) {
+          // The set's ids (gathered from the ranks' segments under sequence parallelism); the
+          // stand-in targets are written by the body (target_set_rows) before any row pass.
+          if (sp) {
+            for (int s = 0; s < c.segments; ++s)
+              backend_.copy(in.targets.slice(c.token_of_segment(s) * k_ids, c.segment_rows * k_ids),
+                            vector_view<Index>{gathered_set_ids + s * c.segment_rows * k_ids, c.segment_rows * k_ids});
+            c.set_ids = {gathered_set_ids, c.rows * k_ids};
+          } else {
+            c.set_ids = in.targets.slice(first * k_ids, c.rows * k_ids);
+          }
+          c.targets = {gathered_targets, c.rows};
+        } else if (sp) {
           for (int s = 0; s < c.segments; ++s)
             backend_.copy(in.targets.slice(c.token_of_segment(s), c.segment_rows),
                           vector_view<Index>{gathered_targets + s * c.segment_rows, c.segment_rows});
           c.targets = {gathered_targets, c.rows};
-          c.hidden = gather_hidden(in.hidden.rows_slice(first, c.segment_rows));
         } else {
           c.targets = in.targets.slice(first, c.rows);
-          c.hidden = widen_hidden(in.hidden.rows_slice(first, c.rows), static_cast<Operand*>(at(plan_.hidden_stage)));
         }
+        if (sp) c.hidden = gather_hidden(in.hidden.rows_slice(first, c.segment_rows));
+        else c.hidden = widen_hidden(in.hidden.rows_slice(first, c.rows), static_cast<Operand*>(at(plan_.hidden_stage)));
         body(c);
       } catch (const error& e) {
         fail(message_body(e), " (in chunk ", c.ordinal, " of ", chunks, ", hidden rows [",
@@ -156,22 +185,36 @@ class chunk_sweep {
 
   // Logits of the chunk, their row statistics, combined over ranks, then
   // log-prob, lse and entropy per row into the chunk's row arrays.
+  // Also the mean logit (into row_mean_logit) with `with_mean_logit`. A
+  // target-set chunk (its stand-ins written) also gets the K log-probs of
+  // each row (into set_logprobs); keep_exp must then be off, since the
+  // logits at the ids are read after the statistics pass.
   template <class Index>
-  // Also the mean logit (into row_mean_logit) with `with_mean_logit`.
   void forward_statistics(const chunk<T, Compute, Operand, Index>& c, bool with_entropy, bool keep_exp,
                           bool with_mean_logit = false) {
     backend_.logits(c.hidden, c.weight, scaling_.logits_alpha, c.logits, c.weight_block);
     backend_.row_statistics(statistics_args<Compute, Index>{c.logits, c.targets, options_.vocab_start,
                                                             options_.ignore_index, scaling_.soft_cap, with_entropy,
                                                             keep_exp, with_mean_logit, c.partials});
+    if (c.set_size > 0) backend_.target_set_logits(target_set(c), c.rows);
     const row_partial<Compute>* merged = c.partials;
+    Compute* set_logits = c.set_logits;
     if (comm_.size() > 1) {
-      // One collective per chunk: every rank's partials, merged locally in rank order.
-      comm_.all_gather_bytes(c.partials, c.gathered,
-                             static_cast<std::size_t>(c.rows) * sizeof(row_partial<Compute>));
-      backend_.merge_partials(c.gathered, comm_.size(), c.rows, c.gathered);
+      // One collective per chunk: every rank's partials (and the set's logits, which
+      // only their shard's rank holds, 0 elsewhere), merged locally in rank order.
+      const std::int64_t record = workspace_plan<Compute>::exchange_record(c.rows, c.set_size).value;
+      comm_.all_gather_bytes(c.partials, c.gathered, static_cast<std::size_t>(record) * sizeof(row_partial<Compute>));
+      backend_.merge_partials(c.gathered, comm_.size(), c.rows, record, c.gathered);
       merged = c.gathered;
+      if (c.set_size > 0) {
+        set_logits = reinterpret_cast<Compute*>(c.gathered + c.rows);
+        const std::int64_t n = c.rows * c.set_size;
+        for (int k = 1; k < comm_.size(); ++k)
+          backend_.add(matrix_view<const Compute>{reinterpret_cast<const Compute*>(c.gathered + k * record + c.rows), 1, n, n},
+                       matrix_view<Compute>{set_logits, 1, n, n});
+      }
     }
+
     backend_.finalize_rows(finalize_args<Compute, Index>{merged, c.targets, options_.ignore_index,
                                                          c.row(row_logprobs), c.row(row_lse),
                                                          with_entropy ? c.row(row_entropy) : nullptr,
@@ -179,6 +222,46 @@ class chunk_sweep {
                                                          with_mean_logit ? c.row(row_mean_logit) : nullptr,
                                                          inverse_vocab_},
                            c.rows);
+    if (c.set_size > 0) {
+      auto args = target_set(c);
+      args.values = set_logits;
+      args.lse = c.row(row_lse);
+      args.out = c.set_logprobs;
+      backend_.target_set_logprobs(args, c.rows);
+    }
+  }
+
+  // The chunk's target set as the set passes take it (stand-ins into c.targets'
+  // buffer, this rank's logits at the ids into set_logits).
+  template <class Index>
+  target_set_args<Compute, Index> target_set(const chunk<T, Compute, Operand, Index>& c) const {
+    target_set_args<Compute, Index> args;
+    args.ids = c.set_ids;
+    args.set_size = c.set_size;
+    args.vocab_start = options_.vocab_start;
+    args.ignore_index = options_.ignore_index;
+    args.stand_ins = const_cast<Index*>(c.targets.data);  // the chunk's own scratch (plan.targets)
+    args.logits = c.logits;
+    args.values = c.set_logits;
+    return args;
+  }
+
+  // A target-set chunk's stand-in targets, and with gradients given the sum of
+  // each row's (into row_grad_logprobs): before any row pass reads c.targets.
+  template <class Index>
+  void target_set_rows(const chunk<T, Compute, Operand, Index>& c, bool with_grads) {
+    auto args = target_set(c);
+    if (with_grads) {
+      args.grads = c.set_grads;
+      args.grad_sums = c.row(row_grad_logprobs);
+    }
+    backend_.target_set_rows(args, c.rows);
+  }
+
+  // This rank's logits at the set's ids (backward with a soft-cap: the slope at each id).
+  template <class Index>
+  void target_set_logits(const chunk<T, Compute, Operand, Index>& c) {
+    backend_.target_set_logits(target_set(c), c.rows);
   }
 
   // The chunk's logits again (backward), soft-capped and tempered.
@@ -200,6 +283,12 @@ class chunk_sweep {
     args.grad_logprobs = c.row(row_grad_logprobs);
     args.inverse_vocab = inverse_vocab_;
     if constexpr (dz_in_own_block) args.gradient_operand = c.dz_operand.data;
+    if (c.set_size > 0) {
+      args.set_ids = c.set_ids.data;
+      args.set_grads = c.set_grads;
+      args.set_logits = c.set_logits;
+      args.set_size = c.set_size;
+    }
     return args;
   }
 
@@ -215,6 +304,22 @@ class chunk_sweep {
     for (int s = 0; s < c.segments; ++s)
       backend_.copy(vector_view<const Compute>{c.row(which) + s * c.segment_rows, c.segment_rows},
                     target.slice(c.token_of_segment(s), c.segment_rows));
+  }
+
+  // The same for a target set's K values per token ([N * K] row-major).
+  template <class Index, class Element>
+  void gather_set(const chunk<T, Compute, Operand, Index>& c, vector_view<const Element> source, Compute* set) {
+    const std::int64_t k_ids = c.set_size;
+    for (int s = 0; s < c.segments; ++s)
+      backend_.copy(source.slice(c.token_of_segment(s) * k_ids, c.segment_rows * k_ids),
+                    vector_view<Compute>{set + s * c.segment_rows * k_ids, c.segment_rows * k_ids});
+  }
+  template <class Index, class Element>
+  void scatter_set(const chunk<T, Compute, Operand, Index>& c, const Compute* set, vector_view<Element> target) {
+    const std::int64_t k_ids = c.set_size;
+    for (int s = 0; s < c.segments; ++s)
+      backend_.copy(vector_view<const Compute>{set + s * c.segment_rows * k_ids, c.segment_rows * k_ids},
+                    target.slice(c.token_of_segment(s) * k_ids, c.segment_rows * k_ids));
   }
 
   // dz (in the logit block) -> this rank's dX rows (summed over the ranks'

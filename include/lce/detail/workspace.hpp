@@ -62,6 +62,7 @@ struct workspace_shape {
   bool sequence_parallel = false;         // hidden rows are gathered per chunk, dX reduce-scattered
   std::size_t storage_bytes = 4;          // sizeof(T)
   std::int64_t weight_block_elements = 0; // compute-type scratch to widen weight blocks
+  std::int64_t set_size = 0;              // K ids per row (a target-set call), else 0
 };
 
 // Per-chunk arrays of one value per row, in compute type.
@@ -86,9 +87,21 @@ struct workspace_plan {
   std::size_t logits = 0, hidden_stage = 0, hidden_gather = 0, hidden_send = 0;
   std::size_t grad_hidden_stage = 0, grad_hidden_local = 0, weight_block = 0;
   std::size_t partials = 0, gathered = 0, rows = 0, targets = 0, gradient_operand = 0;
+  std::size_t set_ids = 0, set_logprobs = 0, set_grads = 0;
   std::size_t bytes = 0;
 
-  static constexpr std::size_t parts = 12;
+  static constexpr std::size_t parts = 15;
+
+  // What one rank contributes to a chunk's collective, in partials: `rows`
+  // partials, then (target sets) the rows' K logits at the set's ids, padded
+  // to whole partials so that every rank's share starts on one.
+  static checked_size exchange_record(std::int64_t rows, std::int64_t set_size) {
+    const checked_size values = checked_size::of(rows) * checked_size::of(set_size) * sizeof(Compute);
+    constexpr std::size_t partial = sizeof(row_partial<Compute>);
+    checked_size padded = values + checked_size(partial - 1);
+    padded.value /= partial;
+    return checked_size::of(rows) + padded;
+  }
 
   // vocab_local rounded up to whole cache lines; INT64_MAX where that overflows.
   static constexpr std::int64_t padded_ld(std::int64_t vocab_local) {
@@ -107,10 +120,20 @@ struct workspace_plan {
     if (shape.widen_hidden) bytes = bytes + h * shape.operand_bytes;
     bytes = bytes + checked_size::of(padded_ld(shape.vocab_local)) * shape.gradient_operand_bytes;
     if (shape.sequence_parallel) bytes = bytes + h * (2 * shape.storage_bytes) + h * a + sizeof(std::int64_t);
+    if (shape.set_size > 0) {
+      // The K logits in this rank's and every rank's exchange record, the K
+      // log-probs and gradients, the stand-in target, the gathered ids.
+      const auto k = checked_size::of(shape.set_size);
+      bytes = bytes + k * a * (ranks > 1 ? 1 + ranks : 1) + k * a * 2 + sizeof(std::int64_t);
+      if (shape.sequence_parallel) bytes = bytes + k * sizeof(std::int64_t);
+    }
     return bytes;
   }
   static checked_size fixed_bytes(const workspace_shape& shape) {
-    return checked_size::of(shape.weight_block_elements) * sizeof(Compute) + parts * workspace_alignment;
+    const std::size_t records = shape.ranks > 1 ? 1 + static_cast<std::size_t>(shape.ranks) : 1;
+    const checked_size record_padding = shape.set_size > 0 ? records * sizeof(row_partial<Compute>) : 0;
+    return checked_size::of(shape.weight_block_elements) * sizeof(Compute) + parts * workspace_alignment +
+           record_padding;
   }
 
   // `local_chunk` rows of hidden per rank; the logit block has ranks times as
@@ -141,11 +164,19 @@ struct workspace_plan {
     plan.grad_hidden_stage = take(c * h * a);
     plan.grad_hidden_local = take(sp ? c_local * h * a : none);
     plan.weight_block = take(checked_size::of(shape.weight_block_elements) * a);
-    plan.partials = take(c * sizeof(row_partial<Compute>));
-    plan.gathered = take(ranks > 1 ? c * ranks * sizeof(row_partial<Compute>) : none);
+    const bool sets = shape.set_size > 0;
+    const auto k = checked_size::of(shape.set_size);
+    const checked_size record = exchange_record(gathered_rows, shape.set_size);
+    plan.partials = take(record * sizeof(row_partial<Compute>));
+    plan.gathered = take(ranks > 1 ? record * ranks * sizeof(row_partial<Compute>) : none);
     plan.rows = take(c * row_arrays * a);
-    plan.targets = take(sp ? c * sizeof(std::int64_t) : none);
+    // Sequence parallel: the chunk's targets gathered from the ranks' segments. A
+    // target-set call keeps each row's stand-in target there.
+    plan.targets = take(sp || sets ? c * sizeof(std::int64_t) : none);
     plan.gradient_operand = take(c * checked_size::of(plan.logits_ld) * shape.gradient_operand_bytes);
+    plan.set_ids = take(sets && sp ? c * k * sizeof(std::int64_t) : none);
+    plan.set_logprobs = take(c * k * a);
+    plan.set_grads = take(c * k * a);
     expects(!offset.overflow, "workspace: a chunk of ", gathered_rows, " rows at hidden size ", shape.hidden,
             " and vocabulary shard ", shape.vocab_local, " needs more bytes than size_t holds");
     plan.bytes = offset.value;

@@ -226,13 +226,13 @@ class host {
     });
   }
 
-  // gathered holds `ranks` consecutive arrays of `rows` partials, merged in rank order.
+  // gathered holds `ranks` arrays of `rows` partials, `stride` apart, merged in rank order.
   template <class A>
-  void merge_partials(const detail::row_partial<A>* gathered, int ranks, std::int64_t rows,
+  void merge_partials(const detail::row_partial<A>* gathered, int ranks, std::int64_t rows, std::int64_t stride,
                       detail::row_partial<A>* merged) {
     for (std::int64_t r = 0; r < rows; ++r) {
       detail::row_partial<A> total = gathered[r];
-      for (int k = 1; k < ranks; ++k) total = detail::merge(total, gathered[k * rows + r]);
+      for (int k = 1; k < ranks; ++k) total = detail::merge(total, gathered[k * stride + r]);
       merged[r] = total;
     }
   }
@@ -268,8 +268,10 @@ class host {
       const A h = args.grad_entropy ? args.grad_entropy[r] : A(0);
       const A q = args.grad_lse ? args.grad_lse[r] : A(0);
       const A m = args.grad_mean_logit ? args.grad_mean_logit[r] : A(0);
-      if (args.targets[r] == args.ignore_index || (g == A(0) && h == A(0) && q == A(0) && m == A(0))) {
+      const bool ignored = args.targets[r] == args.ignore_index;
+      if (ignored || (g == A(0) && h == A(0) && q == A(0) && m == A(0))) {
         detail::zero_row(row, n);
+        if (!ignored) add_target_set_gradients(args, r, row);  // a set's +g terms need no row sum
         return;
       }
       const std::int64_t target = detail::local_target(args.targets[r], args.vocab_start, args.ignore_index, n);
@@ -284,7 +286,67 @@ class host {
                               args.soft_cap, args.grad_entropy != nullptr, capped);
       }
       if (target >= 0) row[target] += g * target_slope;
+      add_target_set_gradients(args, r, row);
     });
+  }
+
+  // Each id of row r's target set held here adds its g (times the soft-cap's slope at its logit).
+  template <class A, class I>
+  static void add_target_set_gradients(const gradient_args<A, I>& args, std::int64_t r, A* row) {
+    if (!args.set_grads) return;
+    const I* ids = args.set_ids + r * args.set_size;
+    const A* grads = args.set_grads + r * args.set_size;
+    for (std::int64_t k = 0; k < args.set_size; ++k) {
+      const std::int64_t column = detail::local_target(ids[k], args.vocab_start, args.ignore_index, args.logits.cols);
+      if (column < 0) continue;
+      const A slope = args.soft_cap.enabled()
+                          ? detail::soft_cap_slope(args.set_logits[r * args.set_size + k], args.soft_cap)
+                          : A(1);
+      row[column] += grads[k] * slope;
+    }
+  }
+
+  // ---- target sets (top-K): see target_set_args --------------------------------
+
+  template <class A, class I>
+  void target_set_rows(const target_set_args<A, I>& args, std::int64_t rows) {
+    const std::int64_t k_ids = args.set_size;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const I* ids = args.ids.data + r * k_ids;
+      bool counted = false;
+      A sum = 0;
+      for (std::int64_t k = 0; k < k_ids; ++k) {
+        if (static_cast<std::int64_t>(ids[k]) == args.ignore_index) continue;
+        counted = true;
+        if (args.grads) sum += args.grads[r * k_ids + k];
+      }
+      args.stand_ins[r] = static_cast<I>(counted ? detail::held_by_no_shard(args.ignore_index) : args.ignore_index);
+      if (args.grads) args.grad_sums[r] = sum;
+    }
+  }
+
+  template <class A, class I>
+  void target_set_logits(const target_set_args<A, I>& args, std::int64_t rows) {
+    const std::int64_t k_ids = args.set_size;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      for (std::int64_t k = 0; k < k_ids; ++k) {
+        const std::int64_t column =
+            detail::local_target(args.ids.data[r * k_ids + k], args.vocab_start, args.ignore_index, args.logits.cols);
+        args.values[r * k_ids + k] = column >= 0 ? args.logits.row(r)[column] : A(0);
+      }
+    }
+  }
+
+  template <class A, class I>
+  void target_set_logprobs(const target_set_args<A, I>& args, std::int64_t rows) {
+    const std::int64_t k_ids = args.set_size;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      for (std::int64_t k = 0; k < k_ids; ++k) {
+        const std::int64_t at = r * k_ids + k;
+        const bool ignored = static_cast<std::int64_t>(args.ids.data[at]) == args.ignore_index;
+        args.out[at] = ignored ? A(0) : args.values[at] - args.lse[r];
+      }
+    }
   }
 
  private:

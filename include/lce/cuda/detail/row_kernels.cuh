@@ -109,16 +109,16 @@ LCE_KERNEL void row_statistics_kernel(statistics_args<A, I> args) {
   if (threadIdx.x == 0) args.partials[r].sum_exp = total_sum;
 }
 
-// merged[r] = gathered[r] merged with gathered[k * rows + r], k = 1..ranks-1,
+// merged[r] = gathered[r] merged with gathered[k * stride + r], k = 1..ranks-1,
 // in rank order (each thread reads only its own row's entries, so merged may
 // be gathered itself).
 template <class A>
 LCE_KERNEL void merge_partials_kernel(const row_partial<A>* gathered, int ranks, std::int64_t rows,
-                                      row_partial<A>* merged) {
+                                      std::int64_t stride, row_partial<A>* merged) {
   const std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (r >= rows) return;
   row_partial<A> total = gathered[r];
-  for (int k = 1; k < ranks; ++k) total = merge(total, gathered[k * rows + r]);
+  for (int k = 1; k < ranks; ++k) total = merge(total, gathered[k * stride + r]);
   merged[r] = total;
 }
 
@@ -205,6 +205,84 @@ LCE_KERNEL void logit_gradient_kernel(gradient_args<A, I, Out> args, Out* out, s
       out_row[j] = convert<Out>(d);
     }
   }
+}
+
+// A target set's +g terms, one thread per (row, id), after logit_gradient_kernel
+// wrote the row: the first of equal ids in a row adds the sum of their g (times
+// the soft-cap's slope at their logit). In place when dz overwrote the logits;
+// into an operand block, the column's dz is recomputed from the logits (still
+// there) and rounded once.
+template <class A, class I, class Out, bool WithEntropy, bool SoftCap>
+LCE_KERNEL void target_set_gradient_kernel(gradient_args<A, I, Out> args, Out* out, std::int64_t rows) {
+  const std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (item >= rows * args.set_size) return;
+  const std::int64_t r = item / args.set_size, k = item % args.set_size;
+  if (static_cast<std::int64_t>(args.targets.data[r]) == args.ignore_index) return;
+  const I* const ids = args.set_ids + r * args.set_size;
+  const std::int64_t column = local_target(ids[k], args.vocab_start, args.ignore_index, args.logits.cols);
+  if (column < 0) return;
+  for (std::int64_t e = 0; e < k; ++e)
+    if (ids[e] == ids[k]) return;
+  A sum = 0;
+  for (std::int64_t e = k; e < args.set_size; ++e)
+    if (ids[e] == ids[k]) sum += args.set_grads[r * args.set_size + e];
+  const A slope = SoftCap ? soft_cap_slope(args.set_logits[item], args.soft_cap) : A(1);
+  Out* const at = out + r * args.logits.ld + column;
+  if (static_cast<const void*>(out) == static_cast<const void*>(args.logits.data)) {
+    *at = convert<Out>(convert<A>(*at) + sum * slope);
+    return;
+  }
+  const A z = args.logits.data[r * args.logits.ld + column];
+  const A g = args.grad_logprobs[r];
+  const A h = WithEntropy ? args.grad_entropy[r] : A(0);
+  const A q = args.grad_lse ? args.grad_lse[r] : A(0);
+  const A m = args.grad_mean_logit ? args.grad_mean_logit[r] : A(0);
+  A d = A(0);
+  if (!(g == A(0) && h == A(0) && q == A(0) && m == A(0))) {
+    const auto terms = fold_row_terms(g, q, m, args.inverse_vocab);
+    const A centred = z - args.lse[r];
+    const A p = fast_exp(centred);
+    d = (WithEntropy ? logit_gradient(p, centred, terms.grad_logprob_of_p, h, args.mean_centred_logit[r])
+                     : p * -terms.grad_logprob_of_p) +
+        terms.uniform;
+    if constexpr (SoftCap) d = d * soft_cap_slope(z, args.soft_cap);
+  }
+  *at = convert<Out>(d + sum * slope);
+}
+
+// stand_ins[r], and with grads the row's sum of them over ids not ignored; one thread per row.
+template <class A, class I>
+LCE_KERNEL void target_set_rows_kernel(target_set_args<A, I> args, std::int64_t rows) {
+  const std::int64_t r = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (r >= rows) return;
+  const I* const ids = args.ids.data + r * args.set_size;
+  bool counted = false;
+  A sum = 0;
+  for (std::int64_t k = 0; k < args.set_size; ++k) {
+    if (static_cast<std::int64_t>(ids[k]) == args.ignore_index) continue;
+    counted = true;
+    if (args.grads) sum += args.grads[r * args.set_size + k];
+  }
+  args.stand_ins[r] = static_cast<I>(counted ? held_by_no_shard(args.ignore_index) : args.ignore_index);
+  if (args.grads) args.grad_sums[r] = sum;
+}
+
+// values[r, k] = z at the id where this shard holds it, else 0; one thread per id.
+template <class A, class I>
+LCE_KERNEL void target_set_logits_kernel(target_set_args<A, I> args, std::int64_t rows) {
+  const std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (item >= rows * args.set_size) return;
+  const std::int64_t r = item / args.set_size;
+  const std::int64_t column = local_target(args.ids.data[item], args.vocab_start, args.ignore_index, args.logits.cols);
+  args.values[item] = column >= 0 ? args.logits.data[r * args.logits.ld + column] : A(0);
+}
+
+template <class A, class I>
+LCE_KERNEL void target_set_logprobs_kernel(target_set_args<A, I> args, std::int64_t rows) {
+  const std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (item >= rows * args.set_size) return;
+  const bool ignored = static_cast<std::int64_t>(args.ids.data[item]) == args.ignore_index;
+  args.out[item] = ignored ? A(0) : args.values[item] - args.lse[item / args.set_size];
 }
 
 template <class A>
