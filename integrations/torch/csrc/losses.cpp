@@ -32,6 +32,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <exception>
 #include <optional>
 #include <string>

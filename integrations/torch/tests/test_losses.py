@@ -521,26 +521,37 @@ def test_opcheck_loss_ops():
                           (logp, adv, None, None, None, ent, *batch), dict(entropy_coef=0.1))
 
 
-def test_compile_fullgraph_losses():
-    h, w, y, cu = e2e_data()
-    adv = torch.linspace(-1, 1, h.shape[0], dtype=torch.float64)
+def compiled_step(y, cu):
+    """SFT + DPO + policy gradient on one forward's log-probs and entropy."""
+    s = cu.numel() - 1
+    adv = torch.linspace(-1, 1, y.numel(), dtype=torch.float64)
+    ref_seq = -torch.linspace(1, 3, s, dtype=torch.float64)
 
     def fn(hidden, weight):
         logp, ent = lce_torch.linear_logprobs(hidden, weight, y, with_entropy=True)
-        sft = lce_torch.sft_loss(logp, y, cu)
+        sft = lce_torch.sft_loss(logp, y, cu, reduction="sequence_mean")
+        dpo = lce_torch.dpo_loss(logp, cu, ref_seq_logprobs=ref_seq, targets=y, beta=0.5)
         pg = lce_torch.policy_gradient_loss(logp, adv, cu, targets=y, entropy=ent, entropy_coef=0.01)
-        return sft.loss + pg.loss + 0.0 * sft.tokens
+        return sft.loss + dpo.loss + pg.loss + 0.0 * (sft.tokens + dpo.reward_accuracy + pg.clip_frac_low)
 
+    return fn
+
+
+@pytest.mark.parametrize("backend, dynamic", [("aot_eager", False), ("aot_eager", True), ("inductor", False)])
+def test_compile_fullgraph_losses(backend, dynamic):
     torch._dynamo.reset()
     counts = torch._dynamo.utils.counters
     counts.clear()
-    compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
-    results = []
-    for f in (fn, compiled):
-        hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
-        loss = f(hh, ww)
-        loss.backward()
-        results.append((loss.detach(), hh.grad, ww.grad))
+    for lengths in ((4, 1, 0, 5, 3, 3), (2, 6, 3, 1, 4, 4, 2, 2)) if dynamic else ((4, 1, 0, 5, 3, 3),):
+        h, w, y, cu = e2e_data(lengths=lengths)
+        fn = compiled_step(y, cu)
+        compiled = torch.compile(fn, fullgraph=True, backend=backend, dynamic=dynamic)
+        results = []
+        for f in (fn, compiled):
+            hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+            loss = f(hh, ww)
+            loss.backward()
+            results.append((loss.detach(), hh.grad, ww.grad))
+        for a, b in zip(*results):
+            torch.testing.assert_close(a, b, **TIGHT)
     assert not counts["graph_break"], dict(counts["graph_break"])
-    for a, b in zip(*results):
-        torch.testing.assert_close(a, b, **TIGHT)
