@@ -555,3 +555,25 @@ def test_compile_fullgraph_losses(backend, dynamic):
         for a, b in zip(*results):
             torch.testing.assert_close(a, b, **TIGHT)
     assert not counts["graph_break"], dict(counts["graph_break"])
+
+
+def test_int32_indices_equal_int64():
+    d = packed(12)
+    s = len(LENGTHS)
+    ref_seq = -torch.rand(s, generator=d["g"], dtype=torch.float64)
+    adv = torch.randn(d["n"], generator=d["g"], dtype=torch.float64)
+    for wide in (True, False):
+        cast = (lambda t: t) if wide else (lambda t: t.to(torch.int32))  # noqa: E731
+        cu, y = cast(d["cu"]), cast(d["targets"])
+        pairs = cast(torch.tensor([[1, 0], [2, 3], [5, 4], [7, 6]]))
+        logp = leaf(d["logp"])
+        losses = (
+            lce_torch.sft_loss(logp, y, cu, weights=d["weights"], reduction="sequence_mean").loss,
+            lce_torch.dpo_loss(logp, cu, ref_seq_logprobs=ref_seq, targets=y, pairs=pairs).loss,
+            lce_torch.policy_gradient_loss(logp, adv, cu, targets=y, weights=d["weights"]).loss,
+        )
+        torch.stack(losses).sum().backward()
+        if wide:
+            want = (torch.stack(losses).detach(), logp.grad)
+        else:
+            assert torch.equal(torch.stack(losses).detach(), want[0]) and torch.equal(logp.grad, want[1])
