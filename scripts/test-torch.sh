@@ -59,6 +59,6 @@ MAX_JOBS=${MAX_JOBS:-2} "${pip[@]}" install -q --no-build-isolation "$root/integ
 # source lce_torch/ would shadow it), with its pytest settings.
 mkdir -p "$root/build" && cd "$root/build"
 "$py" -c 'import lce_torch; print(lce_torch.blas_info())'
-"$venv/bin/pytest" -q -p no:cacheprovider -c "$root/integrations/torch/pyproject.toml" \
+"$py" -m pytest -q -p no:cacheprovider -c "$root/integrations/torch/pyproject.toml" \
   --rootdir "$root/integrations/torch" "$root/integrations/torch/tests"
 echo "PASS: lce_torch (PyTorch $("$py" -c 'import torch; print(torch.__version__)'))"

@@ -9,6 +9,14 @@ tokens at a time (at most ``workspace_limit_bytes`` of scratch, 256 MiB by
 default). Tensor parallel (vocabulary-sharded weight): pass ``group=`` (a
 torch.distributed ProcessGroup, gloo on the CPU) and this rank's ``vocab_start``.
 
+Training losses over packed sequences (lce's include/lce/loss, one call each, on the
+log-probs above; autograd continues into lce's backward):
+
+    targets = lce_torch.next_token_targets(token_ids, cu_seqlens)
+    out = lce_torch.sft_loss(logp, targets, cu_seqlens)                 # .loss, .tokens, ...
+    out = lce_torch.dpo_loss(logp, cu_seqlens, ref_logprobs=ref_logp, targets=targets, beta=0.1)
+    out = lce_torch.policy_gradient_loss(logp, adv, cu_seqlens, old_logprobs=old, targets=targets)
+
 The operators are ``torch.ops.lce.logprobs``, ``torch.ops.lce.logprobs_backward``
 and ``torch.ops.lce.logprobs_forward_backward`` (CPU kernels; fake kernels and
 autograd registered, so torch.compile(fullgraph=True) traces them).
@@ -16,6 +24,16 @@ autograd registered, so torch.compile(fullgraph=True) traces them).
 import torch
 
 from . import _ops  # noqa: F401  (registers fake kernels and autograd)
+from ._losses import (
+    DPOResult,
+    PolicyGradientResult,
+    SFTResult,
+    dpo_loss,
+    next_token_targets,
+    policy_gradient_loss,
+    sequence_logprobs,
+    sft_loss,
+)
 
 __all__ = [
     "linear_logprobs",
@@ -23,6 +41,14 @@ __all__ = [
     "shard_vocab_start",
     "blas_info",
     "set_keep_workspace",
+    "next_token_targets",
+    "sequence_logprobs",
+    "sft_loss",
+    "dpo_loss",
+    "policy_gradient_loss",
+    "SFTResult",
+    "DPOResult",
+    "PolicyGradientResult",
 ]
 
 _DEFAULT_WORKSPACE = 256 << 20
@@ -51,8 +77,8 @@ def _options(vocab_start, ignore_index, temperature, softcap, sequence_parallel,
 
 
 def linear_logprobs(hidden, weight, targets, *, vocab_start=0, ignore_index=-100, temperature=1.0, softcap=0.0,
-                    with_entropy=False, return_lse=False, group=None, sequence_parallel=False, chunk_tokens=0,
-                    workspace_limit_bytes=_DEFAULT_WORKSPACE):
+                    with_entropy=False, return_lse=False, return_mean_logit=False, group=None,
+                    sequence_parallel=False, chunk_tokens=0, workspace_limit_bytes=_DEFAULT_WORKSPACE):
     """Per-token log p(targets | hidden) under the LM head ``weight``, without the logits.
 
     hidden [..., H] (float32, bfloat16, float16, float64), weight [V_local, H] (same
@@ -61,9 +87,11 @@ def linear_logprobs(hidden, weight, targets, *, vocab_start=0, ignore_index=-100
 
     Returns ``logprobs`` [...] (float32; float64 for float64 inputs), or the tuple
     ``(logprobs, entropy)`` with ``with_entropy``, with ``lse`` appended when
-    ``return_lse``. All three are differentiable with respect to hidden and weight
-    (a z-loss ``lam * (lse**2).mean()`` backpropagates through lce's backward,
-    ignored tokens included: their log-prob and entropy are 0, their lse is real).
+    ``return_lse`` and the mean logit over the vocabulary when ``return_mean_logit``
+    (label smoothing: ``sft_loss(..., lse=, mean_logit=)``). All are differentiable with
+    respect to hidden and weight (a z-loss ``lam * (lse**2).mean()`` backpropagates
+    through lce's backward, ignored tokens included: their log-prob and entropy are 0,
+    their lse is real).
 
     group: a torch.distributed ProcessGroup (or its name) holding the other vocabulary
     shards; this rank's shard covers ids [vocab_start, vocab_start + V_local) (see
@@ -73,12 +101,15 @@ def linear_logprobs(hidden, weight, targets, *, vocab_start=0, ignore_index=-100
     """
     opts = _options(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                     workspace_limit_bytes, group)
-    logp, lse, ent, _ = torch.ops.lce.logprobs(hidden, weight, targets, with_entropy=with_entropy, **opts)
+    logp, lse, ent, mean = torch.ops.lce.logprobs(hidden, weight, targets, with_entropy=with_entropy,
+                                                  with_mean_logit=return_mean_logit, **opts)
     out = (logp,)
     if with_entropy:
         out += (ent,)
     if return_lse:
         out += (lse,)
+    if return_mean_logit:
+        out += (mean,)
     return out[0] if len(out) == 1 else out
 
 

@@ -1,0 +1,416 @@
+// lce's training losses (include/lce/loss/) as torch operators over packed
+// sequences. Every value and gradient comes from the C++ loss functions, run
+// with the thrust::host policy on the tensors' storage: this file only wraps
+// tensors as lce::vector_view, computes the normaliser (over a
+// torch.distributed group when one is given) and returns the loss, its
+// gradients and the metrics. Fake kernels and autograd are registered in
+// Python (lce_torch/_losses.py): backward multiplies the gradients returned
+// here by the incoming scalar gradient.
+//
+//   lce::next_token_targets  token_ids, cu_seqlens? -> targets
+//   lce::sequence_logprobs   logprobs, targets?, cu_seqlens?, weights? -> seq_logprobs, seq_tokens
+//   lce::sft_loss            logprobs, targets?, cu_seqlens?, weights?, lse?, mean_logit?
+//                            -> loss, grad_logprobs, grad_lse, grad_mean_logit, metrics
+//   lce::dpo_loss            logprobs, ref_seq_logprobs, targets?, cu_seqlens?, weights?, pairs?
+//                            -> loss, grad_logprobs, seq_logprobs, seq_grad, seq_tokens, metrics
+//   lce::policy_gradient_loss logprobs, advantages, old_logprobs?, ref_logprobs?, generation_logprobs?,
+//                            entropy?, targets?, cu_seqlens?, weights?
+//                            -> loss, grad_logprobs, grad_entropy, seq_tokens, metrics
+//
+// Per-token tensors are 1-D [N] (the Python functions flatten a [B, T]
+// layout), contiguous or not (a contiguous copy is made). Log-probs and the
+// other per-token floats are float32 or float64 (one dtype per call, the
+// gradients come back in it); weights are float32 (lce's packed_tokens);
+// targets, cu_seqlens and pairs are int32 or int64 (read as int64: one
+// instantiation of each loss per float dtype keeps the build short).
+
+#include "process_group_comm.hpp"
+
+#include <lce/loss/losses.hpp>
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <exception>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace lce_torch {
+namespace {
+
+using index_t = std::int64_t;
+using batch_t = lce::packed_tokens<index_t, index_t>;
+
+void check_cpu(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.device().is_cpu(), "lce_torch: ", name, " must be a CPU tensor (the losses run on the host), got ",
+              t.device());
+}
+
+void check_vector(const at::Tensor& t, const char* name) {
+  check_cpu(t, name);
+  TORCH_CHECK(t.dim() == 1, "lce_torch: ", name, " must be 1-D, got shape ", t.sizes());
+}
+
+// An int32 / int64 vector as a contiguous int64 one (undefined when absent).
+at::Tensor index_vector(const std::optional<at::Tensor>& t, const char* name) {
+  if (!t) return {};
+  check_vector(*t, name);
+  TORCH_CHECK_TYPE(t->scalar_type() == at::kInt || t->scalar_type() == at::kLong, "lce_torch: ", name,
+                   " must be int32 or int64, got ", t->scalar_type());
+  return t->to(at::kLong).contiguous();
+}
+
+// A floating vector of exactly `dtype`, contiguous (undefined when absent).
+at::Tensor float_vector(const std::optional<at::Tensor>& t, at::ScalarType dtype, const char* name,
+                        const char* why) {
+  if (!t) return {};
+  check_vector(*t, name);
+  TORCH_CHECK_TYPE(t->scalar_type() == dtype, "lce_torch: ", name, " must be ", dtype, " (", why, "), got ",
+                   t->scalar_type());
+  return t->contiguous();
+}
+
+template <class T>
+lce::vector_view<T> view_of(const at::Tensor& t) {
+  if (!t.defined()) return {};
+  using bare = std::remove_const_t<T>;
+  return {const_cast<bare*>(t.const_data_ptr<bare>()), t.numel()};
+}
+
+// The batch description every loss takes; holds the tensors its views point into.
+struct batch_tensors {
+  at::Tensor targets, cu_seqlens, weights;
+  std::int64_t sequences = 1;  // S (an absent or empty cu_seqlens: one sequence, as lce reads it)
+  batch_t batch;
+};
+
+batch_tensors make_batch(const std::optional<at::Tensor>& targets, const std::optional<at::Tensor>& cu_seqlens,
+                         const std::optional<at::Tensor>& weights, std::int64_t ignore_index) {
+  batch_tensors b;
+  b.targets = index_vector(targets, "targets");
+  b.cu_seqlens = index_vector(cu_seqlens, "cu_seqlens");
+  b.weights = float_vector(weights, at::kFloat, "weights", "lce's per-token weights; a mask: mask.float()");
+  if (b.cu_seqlens.defined() && b.cu_seqlens.numel() > 0) b.sequences = b.cu_seqlens.numel() - 1;
+  b.batch.targets = view_of<const index_t>(b.targets);
+  b.batch.cu_seqlens = view_of<const index_t>(b.cu_seqlens);
+  b.batch.weights = view_of<const float>(b.weights);
+  b.batch.ignore_index = ignore_index;
+  return b;
+}
+
+at::ScalarType logprobs_dtype(const at::Tensor& logprobs) {
+  check_vector(logprobs, "logprobs");
+  const auto t = logprobs.scalar_type();
+  TORCH_CHECK_TYPE(t == at::kFloat || t == at::kDouble, "lce_torch: logprobs must be float32 or float64 (as ",
+                   "linear_logprobs returns them), got ", t);
+  return t;
+}
+
+// Calls f.template operator()<R>() for logprobs' dtype (float or double).
+template <class F>
+decltype(auto) dispatch(at::ScalarType t, F&& f) {
+  if (t == at::kDouble) return f.template operator()<double>();
+  return f.template operator()<float>();
+}
+
+lce::loss_reduction parse_reduction(const std::string& r) {
+  if (r == "token_mean") return lce::loss_reduction::token_mean;
+  TORCH_CHECK_VALUE(r == "sequence_mean", "lce_torch: reduction must be 'token_mean' or 'sequence_mean', got '", r,
+                    "'");
+  return lce::loss_reduction::sequence_mean;
+}
+
+// The normaliser of a loss: prepare() runs the local checks, sets up the
+// call's tensors and returns this rank's count of loss units (tokens,
+// sequences or pairs). A normaliser given explicitly (a constant divisor) is
+// used as it is. Otherwise it is the count, summed over the group: the ranks
+// exchange their verdicts with their counts in one all-gather, so bad input on
+// one rank raises on every rank (the others read "lce_torch: rank r rejected
+// its arguments") instead of leaving them waiting in the collective.
+//
+// With a group, the whole loss also runs once with the local count before the
+// exchange (validate(local count), its results dropped): every check of lce's
+// loss (a NaN log-prob, bad pairs, a bad option) is then part of the verdict.
+template <class Prepare, class Validate>
+double normaliser_of(const std::optional<double>& normaliser, const std::optional<std::string>& group_name,
+                     Prepare&& prepare, Validate&& validate) {
+  TORCH_CHECK_VALUE(!(normaliser && group_name), "lce_torch: pass normaliser (a constant divisor) or group (the ",
+                    "global count of this loss's units), not both");
+  if (!group_name) {
+    const std::int64_t units = prepare();
+    return normaliser ? *normaliser : static_cast<double>(units);
+  }
+  std::int64_t units = 0;
+  std::exception_ptr failure;
+  try {
+    units = prepare();
+    validate(static_cast<double>(units));
+  } catch (...) {
+    failure = std::current_exception();
+  }
+  const process_group_comm comm(*group_name);
+  if (comm.size() > 1) {
+    const std::int64_t mine[2] = {failure ? 0 : 1, units};
+    std::vector<std::int64_t> all(2 * static_cast<std::size_t>(comm.size()));
+    comm.all_gather_host(mine, all.data(), 2);
+    if (failure) std::rethrow_exception(failure);
+    std::int64_t total = 0;
+    for (int r = 0; r < comm.size(); ++r) {
+      TORCH_CHECK(all[2 * r] == 1, "lce_torch: rank ", r, " rejected its arguments");
+      total += all[2 * r + 1];
+    }
+    return static_cast<double>(total);
+  }
+  if (failure) std::rethrow_exception(failure);
+  return static_cast<double>(units);
+}
+
+at::Tensor double_tensor(std::initializer_list<double> values) {
+  at::Tensor t = at::empty({static_cast<std::int64_t>(values.size())}, at::TensorOptions().dtype(at::kDouble));
+  std::copy(values.begin(), values.end(), t.mutable_data_ptr<double>());
+  return t;
+}
+
+// --- next-token targets / sequence log-probs ----------------------------------
+
+at::Tensor next_token_targets(const at::Tensor& token_ids, const std::optional<at::Tensor>& cu_seqlens,
+                              std::int64_t ignore_index) {
+  check_vector(token_ids, "token_ids");
+  const auto t = token_ids.scalar_type();
+  TORCH_CHECK_TYPE(t == at::kInt || t == at::kLong, "lce_torch: token_ids must be int32 or int64, got ", t);
+  const at::Tensor tokens = token_ids.contiguous();
+  const at::Tensor cu = index_vector(cu_seqlens, "cu_seqlens");
+  at::Tensor targets = at::empty_like(tokens, at::MemoryFormat::Contiguous);
+  const auto cu_view = view_of<const index_t>(cu);
+  if (t == at::kInt)
+    lce::shift_targets_packed(thrust::host, view_of<const std::int32_t>(tokens), cu_view,
+                              view_of<std::int32_t>(targets), ignore_index);
+  else
+    lce::shift_targets_packed(thrust::host, view_of<const std::int64_t>(tokens), cu_view,
+                              view_of<std::int64_t>(targets), ignore_index);
+  return targets;
+}
+
+std::tuple<at::Tensor, at::Tensor> sequence_logprobs(const at::Tensor& logprobs,
+                                                     const std::optional<at::Tensor>& targets,
+                                                     const std::optional<at::Tensor>& cu_seqlens,
+                                                     const std::optional<at::Tensor>& weights,
+                                                     std::int64_t ignore_index, bool length_average) {
+  const auto dtype = logprobs_dtype(logprobs);
+  const batch_tensors b = make_batch(targets, cu_seqlens, weights, ignore_index);
+  const at::Tensor logp = logprobs.contiguous();
+  at::Tensor seq_logprobs = at::empty({b.sequences}, logprobs.options().dtype(at::kDouble));
+  at::Tensor seq_tokens = at::empty({b.sequences}, logprobs.options().dtype(at::kLong));
+  dispatch(dtype, [&]<class R>() {
+    lce::sequence_logprobs(thrust::host, b.batch, view_of<const R>(logp), view_of<double>(seq_logprobs),
+                           view_of<std::int64_t>(seq_tokens), length_average);
+  });
+  return {seq_logprobs, seq_tokens};
+}
+
+// --- SFT ------------------------------------------------------------------------
+
+// metrics: [nll_sum, tokens, sequences, normaliser] (float64)
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sft_loss(
+    const at::Tensor& logprobs, const std::optional<at::Tensor>& targets, const std::optional<at::Tensor>& cu_seqlens,
+    const std::optional<at::Tensor>& weights, const std::optional<at::Tensor>& lse,
+    const std::optional<at::Tensor>& mean_logit, std::int64_t ignore_index, const std::string& reduction,
+    double label_smoothing, std::optional<double> normaliser, std::optional<std::string> group_name) {
+  lce::sft_options opt;
+  at::ScalarType dtype{};
+  batch_tensors b;
+  at::Tensor logp, lse_v, mean_v;
+  const auto run = [&](double norm) {
+    const std::int64_t n = logp.numel();
+    const bool smoothing = opt.label_smoothing != 0.0;
+    const auto options = logp.options();
+    at::Tensor grad_logprobs = at::empty({n}, options);
+    at::Tensor grad_lse = at::empty({smoothing ? n : 0}, options);
+    at::Tensor grad_mean = at::empty({smoothing ? n : 0}, options);
+    at::Tensor seq_tokens = at::empty({b.sequences}, options.dtype(at::kLong));
+    return dispatch(dtype, [&]<class R>() {
+      const auto lp = view_of<const R>(logp);
+      const lce::sft_outputs<R> out{{}, {}, view_of<std::int64_t>(seq_tokens)};
+      // The loss first: it checks every value a counted token reads.
+      const lce::sft_result r =
+          smoothing ? lce::sft_loss(thrust::host, b.batch, lp, norm, out, opt,
+                                    lce::sft_smoothing_inputs<const R>{view_of<const R>(lse_v), view_of<const R>(mean_v)})
+                    : lce::sft_loss(thrust::host, b.batch, lp, norm, out, opt);
+      lce::sft_gradients(thrust::host, b.batch, norm,
+                         lce::sft_row_gradients<R>{view_of<R>(grad_logprobs), view_of<R>(grad_lse), view_of<R>(grad_mean)},
+                         view_of<std::int64_t>(seq_tokens), opt);
+      at::Tensor loss = at::scalar_tensor(r.loss, options);
+      at::Tensor metrics =
+          double_tensor({r.nll_sum, static_cast<double>(r.tokens), static_cast<double>(r.sequences), norm});
+      return std::make_tuple(loss, grad_logprobs, grad_lse, grad_mean, metrics);
+    });
+  };
+  const auto prepare = [&] {
+    opt.reduction = parse_reduction(reduction);
+    opt.label_smoothing = label_smoothing;
+    dtype = logprobs_dtype(logprobs);
+    b = make_batch(targets, cu_seqlens, weights, ignore_index);
+    logp = logprobs.contiguous();
+    lse_v = float_vector(lse, dtype, "lse", "the dtype of logprobs");
+    mean_v = float_vector(mean_logit, dtype, "mean_logit", "the dtype of logprobs");
+    return lce::count_loss_units(thrust::host, b.batch, logp.numel(), opt.reduction);
+  };
+  return run(normaliser_of(normaliser, group_name, prepare, run));
+}
+
+// --- DPO ------------------------------------------------------------------------
+
+// metrics: [dpo_loss, sft_loss, pairs, reward_accuracy, mean_margin, chosen_reward, rejected_reward, normaliser]
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> dpo_loss(
+    const at::Tensor& logprobs, const at::Tensor& ref_seq_logprobs, const std::optional<at::Tensor>& targets,
+    const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& weights,
+    const std::optional<at::Tensor>& pairs, std::int64_t ignore_index, double beta, double sft_coef,
+    bool length_average, std::optional<double> normaliser, std::optional<std::string> group_name) {
+  at::ScalarType dtype{};
+  batch_tensors b;
+  at::Tensor logp, ref, pair_list;
+  lce::dpo_options opt;
+  opt.beta = beta;
+  opt.sft_coef = sft_coef;
+  opt.length_average = length_average;
+  const auto run = [&](double norm) {
+    const auto options = logp.options();
+    const std::int64_t s = b.sequences;
+    at::Tensor grad_logprobs = at::empty({logp.numel()}, options);
+    at::Tensor seq_logprobs = at::empty({s}, options.dtype(at::kDouble));
+    at::Tensor seq_grad = at::empty({s}, options.dtype(at::kDouble));
+    at::Tensor seq_tokens = at::empty({s}, options.dtype(at::kLong));
+    return dispatch(dtype, [&]<class R>() {
+      const lce::dpo_result r = lce::dpo_loss(
+          thrust::host, b.batch,
+          lce::dpo_inputs<R, index_t>{view_of<const R>(logp), view_of<const double>(ref),
+                                      view_of<const index_t>(pair_list)},
+          norm,
+          lce::dpo_outputs<R>{view_of<R>(grad_logprobs), view_of<double>(seq_logprobs), view_of<double>(seq_grad),
+                              view_of<std::int64_t>(seq_tokens)},
+          opt);
+      at::Tensor loss = at::scalar_tensor(r.loss, options);
+      at::Tensor metrics = double_tensor({r.dpo_loss, r.sft_loss, static_cast<double>(r.pairs), r.reward_accuracy,
+                                          r.mean_margin, r.chosen_reward, r.rejected_reward, norm});
+      return std::make_tuple(loss, grad_logprobs, seq_logprobs, seq_grad, seq_tokens, metrics);
+    });
+  };
+  const auto prepare = [&] {
+    dtype = logprobs_dtype(logprobs);
+    b = make_batch(targets, cu_seqlens, weights, ignore_index);
+    logp = logprobs.contiguous();
+    ref = float_vector(ref_seq_logprobs, at::kDouble, "ref_seq_logprobs", "lce's per-sequence sums are double");
+    pair_list = index_vector(pairs, "pairs");
+    // This rank's pairs (lce::count_pairs): the listed ones, or consecutive sequences.
+    return pair_list.defined() && pair_list.numel() > 0 ? pair_list.numel() / 2 : b.sequences / 2;
+  };
+  return run(normaliser_of(normaliser, group_name, prepare, run));
+}
+
+// --- policy gradient ------------------------------------------------------------
+
+lce::kl_estimator parse_kl(const std::string& kl) {
+  if (kl == "k1") return lce::kl_estimator::k1;
+  TORCH_CHECK_VALUE(kl == "k3", "lce_torch: kl must be 'k1' or 'k3', got '", kl, "'");
+  return lce::kl_estimator::k3;
+}
+
+// metrics: [pg_loss, kl_loss, entropy_loss, tokens, clip_frac_low, clip_frac_high, dual_clip_frac,
+//           approx_kl, ref_kl, mean_entropy, mean_ratio, normaliser]
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_gradient_loss(
+    const at::Tensor& logprobs, const at::Tensor& advantages, const std::optional<at::Tensor>& old_logprobs,
+    const std::optional<at::Tensor>& ref_logprobs, const std::optional<at::Tensor>& generation_logprobs,
+    const std::optional<at::Tensor>& entropy, const std::optional<at::Tensor>& targets,
+    const std::optional<at::Tensor>& cu_seqlens, const std::optional<at::Tensor>& weights, std::int64_t ignore_index,
+    const std::string& reduction, double eps_low, double eps_high, double dual_clip, double kl_coef,
+    const std::string& kl, double tis_cap, double entropy_coef, bool sequence_advantages,
+    std::optional<double> normaliser, std::optional<std::string> group_name) {
+  lce::pg_options opt;
+  at::ScalarType dtype{};
+  batch_tensors b;
+  at::Tensor logp, adv, old, ref, gen, ent;
+  const auto run = [&](double norm) {
+    const std::int64_t n = logp.numel();
+    const auto options = logp.options();
+    at::Tensor grad_logprobs = at::empty({n}, options);
+    // dL/dentropy whenever entropy is given (0 without an entropy bonus), so entropy can always be differentiated.
+    at::Tensor grad_entropy = at::empty({ent.defined() ? n : 0}, options);
+    at::Tensor seq_tokens = at::empty({b.sequences}, options.dtype(at::kLong));
+    return dispatch(dtype, [&]<class R>() {
+      const lce::pg_result r = lce::policy_gradient_loss(
+          thrust::host, b.batch,
+          lce::pg_inputs<R>{view_of<const R>(logp), view_of<const R>(adv), view_of<const R>(old),
+                            view_of<const R>(ref), view_of<const R>(gen), view_of<const R>(ent)},
+          norm,
+          lce::pg_outputs<R>{view_of<R>(grad_logprobs), view_of<R>(grad_entropy), {},
+                             view_of<std::int64_t>(seq_tokens)},
+          opt);
+      at::Tensor loss = at::scalar_tensor(r.loss, options);
+      at::Tensor metrics = double_tensor({r.pg_loss, r.kl_loss, r.entropy_loss, static_cast<double>(r.tokens),
+                                          r.clip_frac_low, r.clip_frac_high, r.dual_clip_frac, r.approx_kl, r.ref_kl,
+                                          r.mean_entropy, r.mean_ratio, norm});
+      return std::make_tuple(loss, grad_logprobs, grad_entropy, seq_tokens, metrics);
+    });
+  };
+  const auto prepare = [&] {
+    opt.reduction = parse_reduction(reduction);
+    opt.kl = parse_kl(kl);
+    opt.eps_low = eps_low;
+    opt.eps_high = eps_high;
+    opt.dual_clip = dual_clip;
+    opt.kl_coef = kl_coef;
+    opt.tis_cap = tis_cap;
+    opt.entropy_coef = entropy_coef;
+    opt.sequence_advantages = sequence_advantages;
+    dtype = logprobs_dtype(logprobs);
+    b = make_batch(targets, cu_seqlens, weights, ignore_index);
+    logp = logprobs.contiguous();
+    const char* same = "the dtype of logprobs";
+    adv = float_vector(advantages, dtype, "advantages", same);
+    old = float_vector(old_logprobs, dtype, "old_logprobs", same);
+    ref = float_vector(ref_logprobs, dtype, "ref_logprobs", same);
+    gen = float_vector(generation_logprobs, dtype, "generation_logprobs", same);
+    ent = float_vector(entropy, dtype, "entropy", same);
+    return lce::count_loss_units(thrust::host, b.batch, logp.numel(), opt.reduction);
+  };
+  return run(normaliser_of(normaliser, group_name, prepare, run));
+}
+
+}  // namespace
+}  // namespace lce_torch
+
+// A fragment of the `lce` library that register.cpp defines (TORCH_LIBRARY may
+// appear once per namespace).
+TORCH_LIBRARY_FRAGMENT(lce, m) {
+  m.def("next_token_targets(Tensor token_ids, Tensor? cu_seqlens=None, *, int ignore_index=-100) -> Tensor");
+  m.def("sequence_logprobs(Tensor logprobs, Tensor? targets=None, Tensor? cu_seqlens=None, Tensor? weights=None, *, "
+        "int ignore_index=-100, bool length_average=False) -> (Tensor seq_logprobs, Tensor seq_tokens)");
+  m.def("sft_loss(Tensor logprobs, Tensor? targets=None, Tensor? cu_seqlens=None, Tensor? weights=None, "
+        "Tensor? lse=None, Tensor? mean_logit=None, *, int ignore_index=-100, str reduction='token_mean', "
+        "float label_smoothing=0.0, float? normaliser=None, str? group_name=None) "
+        "-> (Tensor loss, Tensor grad_logprobs, Tensor grad_lse, Tensor grad_mean_logit, Tensor metrics)");
+  m.def("dpo_loss(Tensor logprobs, Tensor ref_seq_logprobs, Tensor? targets=None, Tensor? cu_seqlens=None, "
+        "Tensor? weights=None, Tensor? pairs=None, *, int ignore_index=-100, float beta=0.1, float sft_coef=0.0, "
+        "bool length_average=False, float? normaliser=None, str? group_name=None) "
+        "-> (Tensor loss, Tensor grad_logprobs, Tensor seq_logprobs, Tensor seq_grad, Tensor seq_tokens, "
+        "Tensor metrics)");
+  m.def("policy_gradient_loss(Tensor logprobs, Tensor advantages, Tensor? old_logprobs=None, "
+        "Tensor? ref_logprobs=None, Tensor? generation_logprobs=None, Tensor? entropy=None, Tensor? targets=None, "
+        "Tensor? cu_seqlens=None, Tensor? weights=None, *, int ignore_index=-100, str reduction='token_mean', "
+        "float eps_low=0.2, float eps_high=0.2, float dual_clip=0.0, float kl_coef=0.0, str kl='k3', "
+        "float tis_cap=0.0, float entropy_coef=0.0, bool sequence_advantages=False, float? normaliser=None, "
+        "str? group_name=None) "
+        "-> (Tensor loss, Tensor grad_logprobs, Tensor grad_entropy, Tensor seq_tokens, Tensor metrics)");
+}
+
+TORCH_LIBRARY_IMPL(lce, CPU, m) {
+  m.impl("next_token_targets", &lce_torch::next_token_targets);
+  m.impl("sequence_logprobs", &lce_torch::sequence_logprobs);
+  m.impl("sft_loss", &lce_torch::sft_loss);
+  m.impl("dpo_loss", &lce_torch::dpo_loss);
+  m.impl("policy_gradient_loss", &lce_torch::policy_gradient_loss);
+}
