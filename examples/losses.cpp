@@ -1,5 +1,5 @@
 // The README's loss snippets (<lce/loss/losses.hpp>): packed batches, SFT, the
-// clipped policy gradient (GRPO) and DPO on top of the operator. Each region
+// clipped policy gradient (GRPO), DPO and top-K distillation on top of the operator. Each region
 // between two `// [loss:NAME]` markers is the README's block of that name
 // (checked by tests/readme_losses.cmake); this program builds and runs them on
 // a small random model and checks the results against plain loops, so the
@@ -154,9 +154,70 @@ int main() {
     }
     check(near(dpo.loss, want), "DPO loss", dpo.loss, want);
   }
+  // A teacher's top-K as its inference server would store them (here the
+  // reference model's logits by plain loops): ids and log-probs, [N, K].
+  const std::int64_t K = 8;
+  std::vector<std::int64_t> teacher_ids(N * K);
+  std::vector<float> teacher_logp(N * K);
+  std::vector<double> student_full(N * V);  // for the plain-loop check only
+  for (std::int64_t i = 0; i < N; ++i) {
+    std::vector<double> t(V);
+    for (std::int64_t j = 0; j < V; ++j) {
+      double zt = 0, zs = 0;
+      for (std::int64_t c = 0; c < H; ++c) zt += double(x[i * H + c]) * w_ref[j * H + c], zs += double(x[i * H + c]) * w[j * H + c];
+      t[j] = zt;
+      student_full[i * V + j] = zs;
+    }
+    const auto log_softmax = [](double* z, std::int64_t n) {
+      const double m = *std::max_element(z, z + n);
+      double sum = 0;
+      for (std::int64_t j = 0; j < n; ++j) sum += std::exp(z[j] - m);
+      for (std::int64_t j = 0; j < n; ++j) z[j] -= m + std::log(sum);
+    };
+    log_softmax(t.data(), V);
+    log_softmax(&student_full[i * V], V);
+    std::vector<std::int64_t> order(V);
+    for (std::int64_t j = 0; j < V; ++j) order[j] = j;
+    std::partial_sort(order.begin(), order.begin() + K, order.end(), [&](auto a, auto b) { return t[a] > t[b]; });
+    for (std::int64_t e = 0; e < K; ++e) teacher_ids[i * K + e] = order[e], teacher_logp[i * K + e] = float(t[order[e]]);
+  }
+
+  // [loss:distill]
+  // Distillation from the teacher's top-K: the student's log-probs of the same
+  // K ids come from the operator's target-set form (targets [N, K]), the loss is
+  // KL(teacher || student) with the teacher's remaining mass as one more outcome.
+  std::vector<float> student_logp(N * K), kd_grad(N * K);
+  const lce::matrix_view<const std::int64_t> ids{teacher_ids.data(), N, K};
+  op.forward(X, W, ids, lce::target_set_outputs<float>{{student_logp.data(), N, K}, {lse.data(), N}, {}, {}});
+  const lce::distill_result kd = lce::distill_loss(
+      thrust::host, batch,
+      lce::distill_inputs<std::int64_t>{ids, {teacher_logp.data(), N, K}, {student_logp.data(), N, K}}, norm,
+      lce::distill_outputs<float>{{kd_grad.data(), N, K}});
+  std::fill(dW.begin(), dW.end(), 0.0f);
+  op.backward(X, W, ids, lce::vector_view<const float>{lse.data(), N},
+              lce::target_set_gradients<float>{{kd_grad.data(), N, K}, {}, {}, {}},
+              lce::matrix_view<float>{dX.data(), N, H}, lce::matrix_view<float>{dW.data(), V, H});
+  // kd.loss; kd.teacher_mass / kd.tokens: how much of the teacher the top-K cover
+  // [loss:distill]
+  {
+    double want = 0;  // plain loops over the student's full log-softmax
+    for (std::int64_t i = 0; i < N; ++i) {
+      if (targets[i] == -100 || mask[i] == 0.0f) continue;
+      double kl = 0, p_mass = 0, q_mass = 0;
+      for (std::int64_t e = 0; e < K; ++e) {
+        const double lp = teacher_logp[i * K + e], lq = student_full[i * V + teacher_ids[i * K + e]];
+        kl += std::exp(lp) * (lp - lq);
+        p_mass += std::exp(lp);
+        q_mass += std::exp(lq);
+      }
+      kl += (1 - p_mass) * (std::log(1 - p_mass) - std::log(1 - q_mass));
+      want += mask[i] * kl / norm;
+    }
+    check(near(kd.loss, want), "distillation loss (top-8 teacher)", kd.loss, want);
+  }
   double dw_norm = 0;
   for (float g : dW) dw_norm += double(g) * g;
-  check(std::isfinite(dw_norm) && dw_norm > 0, "|dW|^2 of the DPO step (finite, > 0)", dw_norm, dw_norm);
+  check(std::isfinite(dw_norm) && dw_norm > 0, "|dW|^2 of the distillation step (finite, > 0)", dw_norm, dw_norm);
   std::printf(failures ? "FAILED\n" : "all losses match their plain-loop references\n");
   return failures ? 1 : 0;
 }

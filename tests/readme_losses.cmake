@@ -7,7 +7,7 @@
 file(READ "${EXAMPLE}" example)
 file(READ "${README}" readme)
 set(failed "")
-foreach(name IN ITEMS packed sft pg dpo)
+foreach(name IN ITEMS packed sft pg dpo distill)
   string(REGEX MATCH "// \\[loss:${name}\\][^\n]*\n(.*)\n[ ]*// \\[loss:${name}\\]" found "${example}")
   if(NOT found)
     message(SEND_ERROR "${EXAMPLE}: no region between two `// [loss:${name}]` markers")

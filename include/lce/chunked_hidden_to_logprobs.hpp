@@ -21,6 +21,7 @@
 #include <lce/core/chunking.hpp>
 #include <lce/core/config.hpp>
 #include <lce/core/dtypes.hpp>
+#include <lce/core/lm_head.hpp>
 #include <lce/core/options.hpp>
 #include <lce/core/row_terms.hpp>
 #include <lce/core/views.hpp>
@@ -50,7 +51,7 @@ class ChunkedHiddenToLogprobs {
 
   // hidden [N, H], weight [V_local, H], targets [N] (int32 or int64, global ids)
   // -> logprobs [N], lse [N] (and entropy [N]); float or double elements.
-  template <matrix_like Hidden, matrix_like Weight, vector_like Targets, vector_like Logprobs, vector_like Lse>
+  template <matrix_like Hidden, head_like Weight, vector_like Targets, vector_like Logprobs, vector_like Lse>
   void forward(const Hidden& hidden, const Weight& weight, const Targets& targets, const Logprobs& logprobs,
                const Lse& lse) {
     detail::deferred_failure failure;
@@ -62,7 +63,7 @@ class ChunkedHiddenToLogprobs {
     engine_.forward(failure, in, out);
   }
 
-  template <matrix_like Hidden, matrix_like Weight, vector_like Targets, vector_like Logprobs, vector_like Lse,
+  template <matrix_like Hidden, head_like Weight, vector_like Targets, vector_like Logprobs, vector_like Lse,
             vector_like Entropy>
   void forward(const Hidden& hidden, const Weight& weight, const Targets& targets, const Logprobs& logprobs,
                const Lse& lse, const Entropy& entropy) {
@@ -78,7 +79,7 @@ class ChunkedHiddenToLogprobs {
 
   // Any of log-probs, lse, entropy and mean logit (lce::row_outputs: the
   // empty ones are not computed).
-  template <matrix_like Hidden, matrix_like Weight, vector_like Targets, result_type E>
+  template <matrix_like Hidden, head_like Weight, vector_like Targets, result_type E>
   void forward(const Hidden& hidden, const Weight& weight, const Targets& targets, const row_outputs<E>& outputs) {
     detail::deferred_failure failure;
     const auto in = failure([&] { return inputs(hidden, weight, targets); });
@@ -86,8 +87,8 @@ class ChunkedHiddenToLogprobs {
   }
 
   // Given lse from forward and dL/dlogprobs: grad_hidden OVERWRITTEN, grad_weight ACCUMULATED (+=).
-  template <matrix_like Hidden, matrix_like Weight, vector_like Targets, vector_like Lse, vector_like GradLogprobs,
-            matrix_like GradHidden, matrix_like GradWeight>
+  template <matrix_like Hidden, head_like Weight, vector_like Targets, vector_like Lse, vector_like GradLogprobs,
+            matrix_like GradHidden, head_like GradWeight>
   void backward(const Hidden& hidden, const Weight& weight, const Targets& targets, const Lse& lse,
                 const GradLogprobs& grad_logprobs, const GradHidden& grad_hidden, const GradWeight& grad_weight) {
     detail::deferred_failure failure;
@@ -97,13 +98,13 @@ class ChunkedHiddenToLogprobs {
     grads.logprobs = failure([&] { return given(grad_logprobs, "grad_logprobs"); });
     grads.has_logprobs = true;
     const auto gx = failure([&] { return gradient(grad_hidden, "grad_hidden"); });
-    const auto gw = failure([&] { return gradient(grad_weight, "grad_weight"); });
-    engine_.backward(failure, in, ls, grads, gx, gw);
+    const auto gw = failure([&] { return weight_gradient(grad_weight); });
+    engine_.backward(failure, in, ls, grads, gx, gw.weight, gw.bias);
   }
 
   // As above, with dL/dentropy as well.
-  template <matrix_like Hidden, matrix_like Weight, vector_like Targets, vector_like Lse, vector_like GradLogprobs,
-            vector_like GradEntropy, matrix_like GradHidden, matrix_like GradWeight>
+  template <matrix_like Hidden, head_like Weight, vector_like Targets, vector_like Lse, vector_like GradLogprobs,
+            vector_like GradEntropy, matrix_like GradHidden, head_like GradWeight>
   void backward(const Hidden& hidden, const Weight& weight, const Targets& targets, const Lse& lse,
                 const GradLogprobs& grad_logprobs, const GradEntropy& grad_entropy, const GradHidden& grad_hidden,
                 const GradWeight& grad_weight) {
@@ -115,28 +116,28 @@ class ChunkedHiddenToLogprobs {
     grads.entropy = failure([&] { return given(grad_entropy, "grad_entropy"); });
     grads.has_logprobs = grads.has_entropy = true;
     const auto gx = failure([&] { return gradient(grad_hidden, "grad_hidden"); });
-    const auto gw = failure([&] { return gradient(grad_weight, "grad_weight"); });
-    engine_.backward(failure, in, ls, grads, gx, gw);
+    const auto gw = failure([&] { return weight_gradient(grad_weight); });
+    engine_.backward(failure, in, ls, grads, gx, gw.weight, gw.bias);
   }
 
   // As above, with any of dL/dlogprobs, dL/dentropy, dL/dlse (a z-loss) and
   // dL/d(mean logit) (label smoothing) (lce::row_gradients: empty ones are 0).
-  template <matrix_like Hidden, matrix_like Weight, vector_like Targets, vector_like Lse, result_type E,
-            matrix_like GradHidden, matrix_like GradWeight>
+  template <matrix_like Hidden, head_like Weight, vector_like Targets, vector_like Lse, result_type E,
+            matrix_like GradHidden, head_like GradWeight>
   void backward(const Hidden& hidden, const Weight& weight, const Targets& targets, const Lse& lse,
                 const row_gradients<E>& gradients, const GradHidden& grad_hidden, const GradWeight& grad_weight) {
     detail::deferred_failure failure;
     const auto in = failure([&] { return inputs(hidden, weight, targets); });
     const auto ls = failure([&] { return given(lse, "lse"); });
     const auto gx = failure([&] { return gradient(grad_hidden, "grad_hidden"); });
-    const auto gw = failure([&] { return gradient(grad_weight, "grad_weight"); });
-    engine_.backward(failure, in, ls, gradient_views(gradients), gx, gw);
+    const auto gw = failure([&] { return weight_gradient(grad_weight); });
+    engine_.backward(failure, in, ls, gradient_views(gradients), gx, gw.weight, gw.bias);
   }
 
   // One sweep when dL/dlogprobs is known before the forward (NLL, weighted CE):
   // 3 GEMMs per chunk instead of 4.
-  template <matrix_like Hidden, matrix_like Weight, vector_like Targets, vector_like GradLogprobs,
-            vector_like Logprobs, matrix_like GradHidden, matrix_like GradWeight>
+  template <matrix_like Hidden, head_like Weight, vector_like Targets, vector_like GradLogprobs,
+            vector_like Logprobs, matrix_like GradHidden, head_like GradWeight>
   void forward_backward(const Hidden& hidden, const Weight& weight, const Targets& targets,
                         const GradLogprobs& grad_logprobs, const Logprobs& logprobs, const GradHidden& grad_hidden,
                         const GradWeight& grad_weight) {
@@ -149,23 +150,23 @@ class ChunkedHiddenToLogprobs {
     out.logprobs = failure([&] { return result(logprobs, "logprobs"); });
     out.has_logprobs = true;
     const auto gx = failure([&] { return gradient(grad_hidden, "grad_hidden"); });
-    const auto gw = failure([&] { return gradient(grad_weight, "grad_weight"); });
-    engine_.forward_backward(failure, in, grads, out, gx, gw);
+    const auto gw = failure([&] { return weight_gradient(grad_weight); });
+    engine_.forward_backward(failure, in, grads, out, gx, gw.weight, gw.bias);
   }
 
   // As above with any of the row terms known before the forward (label
   // smoothing: dL/dlse and dL/d(mean logit) are constants; an entropy bonus
   // with fixed coefficients) and any of the outputs: still one sweep of 3 GEMMs.
-  template <matrix_like Hidden, matrix_like Weight, vector_like Targets, result_type E, result_type F,
-            matrix_like GradHidden, matrix_like GradWeight>
+  template <matrix_like Hidden, head_like Weight, vector_like Targets, result_type E, result_type F,
+            matrix_like GradHidden, head_like GradWeight>
   void forward_backward(const Hidden& hidden, const Weight& weight, const Targets& targets,
                         const row_gradients<E>& gradients, const row_outputs<F>& outputs,
                         const GradHidden& grad_hidden, const GradWeight& grad_weight) {
     detail::deferred_failure failure;
     const auto in = failure([&] { return inputs(hidden, weight, targets); });
     const auto gx = failure([&] { return gradient(grad_hidden, "grad_hidden"); });
-    const auto gw = failure([&] { return gradient(grad_weight, "grad_weight"); });
-    engine_.forward_backward(failure, in, gradient_views(gradients), output_views(outputs), gx, gw);
+    const auto gw = failure([&] { return weight_gradient(grad_weight); });
+    engine_.forward_backward(failure, in, gradient_views(gradients), output_views(outputs), gx, gw.weight, gw.bias);
   }
 
   // ---- target sets: targets [N, K], K ids per token ---------------------------
@@ -174,7 +175,7 @@ class ChunkedHiddenToLogprobs {
   // row statistics; nothing [N, V] is ever held. Matrices of K values per
   // token are dense (ld = K).
 
-  template <matrix_like Hidden, matrix_like Weight, matrix_like TargetSets, result_type E>
+  template <matrix_like Hidden, head_like Weight, matrix_like TargetSets, result_type E>
   void forward(const Hidden& hidden, const Weight& weight, const TargetSets& targets,
                const target_set_outputs<E>& outputs) {
     detail::deferred_failure failure;
@@ -186,40 +187,40 @@ class ChunkedHiddenToLogprobs {
   }
 
   // grad_logprobs [N, K]: grad_hidden OVERWRITTEN, grad_weight ACCUMULATED (+=).
-  template <matrix_like Hidden, matrix_like Weight, matrix_like TargetSets, vector_like Lse, result_type E,
-            matrix_like GradHidden, matrix_like GradWeight>
+  template <matrix_like Hidden, head_like Weight, matrix_like TargetSets, vector_like Lse, result_type E,
+            matrix_like GradHidden, head_like GradWeight>
   void backward(const Hidden& hidden, const Weight& weight, const TargetSets& targets, const Lse& lse,
                 const target_set_gradients<E>& gradients, const GradHidden& grad_hidden,
                 const GradWeight& grad_weight) {
     detail::deferred_failure failure;
     const auto in = failure([&] { return set_inputs(hidden, weight, targets); });
     const auto ls = failure([&] { return given(lse, "lse"); });
-    auto grads = gradient_views(row_gradients<E>{{}, gradients.entropy, gradients.lse, gradients.mean_logit});
+    auto grads = gradient_views(row_gradients<E>{{}, gradients.entropy, gradients.lse, gradients.mean_logit, gradients.lse_squared});
     grads.logprobs = failure([&] { return vector_view<const E>(per_id(gradients.logprobs, targets, "grad_logprobs")); });
     grads.has_logprobs = grads.logprobs.size != 0;
     const auto gx = failure([&] { return gradient(grad_hidden, "grad_hidden"); });
-    const auto gw = failure([&] { return gradient(grad_weight, "grad_weight"); });
-    engine_.backward(failure, in, ls, grads, gx, gw);
+    const auto gw = failure([&] { return weight_gradient(grad_weight); });
+    engine_.backward(failure, in, ls, grads, gx, gw.weight, gw.bias);
   }
 
   // Both in one sweep when the gradients are known before the forward (a
   // cross-entropy against fixed soft targets over the K ids).
-  template <matrix_like Hidden, matrix_like Weight, matrix_like TargetSets, result_type E, result_type F,
-            matrix_like GradHidden, matrix_like GradWeight>
+  template <matrix_like Hidden, head_like Weight, matrix_like TargetSets, result_type E, result_type F,
+            matrix_like GradHidden, head_like GradWeight>
   void forward_backward(const Hidden& hidden, const Weight& weight, const TargetSets& targets,
                         const target_set_gradients<E>& gradients, const target_set_outputs<F>& outputs,
                         const GradHidden& grad_hidden, const GradWeight& grad_weight) {
     detail::deferred_failure failure;
     const auto in = failure([&] { return set_inputs(hidden, weight, targets); });
-    auto grads = gradient_views(row_gradients<E>{{}, gradients.entropy, gradients.lse, gradients.mean_logit});
+    auto grads = gradient_views(row_gradients<E>{{}, gradients.entropy, gradients.lse, gradients.mean_logit, gradients.lse_squared});
     grads.logprobs = failure([&] { return vector_view<const E>(per_id(gradients.logprobs, targets, "grad_logprobs")); });
     grads.has_logprobs = grads.logprobs.size != 0;
     auto out = output_views(row_outputs<F>{{}, outputs.lse, outputs.entropy, outputs.mean_logit});
     out.logprobs = failure([&] { return per_id(outputs.logprobs, targets, "logprobs"); });
     out.has_logprobs = out.logprobs.size != 0;
     const auto gx = failure([&] { return gradient(grad_hidden, "grad_hidden"); });
-    const auto gw = failure([&] { return gradient(grad_weight, "grad_weight"); });
-    engine_.forward_backward(failure, in, grads, out, gx, gw);
+    const auto gw = failure([&] { return weight_gradient(grad_weight); });
+    engine_.forward_backward(failure, in, grads, out, gx, gw.weight, gw.bias);
   }
 
   // Bytes of scratch the calls above allocate for these sizes: the sweep's
@@ -250,18 +251,51 @@ class ChunkedHiddenToLogprobs {
   template <class Hidden, class Weight, class Targets>
   static auto inputs(const Hidden& hidden, const Weight& weight, const Targets& targets) {
     static_assert(std::is_same_v<value_of<Hidden>, T>, "hidden: element type must be the operator's T");
-    static_assert(std::is_same_v<value_of<Weight>, T>, "weight: element type must be the operator's T");
+    static_assert(std::is_same_v<value_of<detail::head_weight_t<Weight>>, T>,
+                  "weight: element type must be the operator's T");
     static_assert(target_id_type<value_of<Targets>>, "targets: element type must be std::int32_t or std::int64_t");
-    return detail::operator_inputs<T, value_of<Targets>>{
-        detail::to_matrix_view(hidden, "hidden"), detail::to_matrix_view(weight, "weight"),
-        detail::to_vector_view(targets, "targets")};
+    detail::operator_inputs<T, value_of<Targets>> in{detail::to_matrix_view(hidden, "hidden"),
+                                                     detail::to_matrix_view(detail::head_weight(weight), "weight"),
+                                                     detail::to_vector_view(targets, "targets")};
+    in.bias = bias_of(weight);
+    return in;
+  }
+
+  // The bias of a with_bias head ([V_r], the operator's T), or none.
+  template <class Weight>
+  static vector_view<const T> bias_of(const Weight& weight) {
+    if constexpr (detail::is_biased_head<Weight>) {
+      static_assert(std::is_same_v<value_of<decltype(weight.bias)>, T>, "bias: element type must be the operator's T");
+      return vector_view<const T>(detail::to_vector_view(weight.bias, "bias"));
+    } else {
+      return {};
+    }
+  }
+
+  // grad_weight, and grad_bias when it comes with_bias (float or double).
+  template <class GradWeight>
+  static auto weight_gradient(const GradWeight& grad) {
+    using GW = value_of<detail::head_weight_t<GradWeight>>;
+    struct views {
+      matrix_view<GW> weight;
+      vector_view<compute_type> bias;
+    } out;
+    out.weight = gradient(detail::head_weight(grad), "grad_weight");
+    if constexpr (detail::is_biased_head<GradWeight>) {
+      using E = element_of<decltype(grad.bias)>;
+      static_assert(std::is_same_v<E, compute_type>,
+                    "grad_bias: element type must be the operator's compute type (float, double for T = double)");
+      out.bias = detail::to_vector_view(grad.bias, "grad_bias");
+    }
+    return out;
   }
 
   // Target sets [N, K]: dense rows of K >= 1 ids, flattened for the engine.
   template <class Hidden, class Weight, class TargetSets>
   static auto set_inputs(const Hidden& hidden, const Weight& weight, const TargetSets& targets) {
     static_assert(std::is_same_v<value_of<Hidden>, T>, "hidden: element type must be the operator's T");
-    static_assert(std::is_same_v<value_of<Weight>, T>, "weight: element type must be the operator's T");
+    static_assert(std::is_same_v<value_of<detail::head_weight_t<Weight>>, T>,
+                  "weight: element type must be the operator's T");
     static_assert(target_id_type<value_of<TargetSets>>,
                   "targets: element type must be std::int32_t or std::int64_t");
     const auto ids = detail::to_matrix_view(targets, "targets");
@@ -269,9 +303,10 @@ class ChunkedHiddenToLogprobs {
     detail::expects(ids.rows <= 1 || ids.ld == ids.cols, "targets: target sets [", ids.rows, ", ", ids.cols,
             "] must be dense rows (ld ", ids.ld, " != K ", ids.cols, ")");
     detail::operator_inputs<T, value_of<TargetSets>> in{detail::to_matrix_view(hidden, "hidden"),
-                                                        detail::to_matrix_view(weight, "weight"),
+                                                        detail::to_matrix_view(detail::head_weight(weight), "weight"),
                                                         {ids.data, ids.rows * ids.cols}};
     in.set_size = ids.cols;
+    in.bias = bias_of(weight);
     return in;
   }
 
@@ -315,11 +350,12 @@ class ChunkedHiddenToLogprobs {
 
   template <class E>
   static auto gradient_views(const row_gradients<E>& g) {
-    detail::row_gradient_views<E, E, E, E> grads{g.logprobs, g.entropy, g.lse, g.mean_logit};
+    detail::row_gradient_views<E, E, E, E> grads{g.logprobs, g.entropy, g.lse, g.mean_logit, g.lse_squared};
     grads.has_logprobs = g.logprobs.size != 0;
     grads.has_entropy = g.entropy.size != 0;
     grads.has_lse = g.lse.size != 0;
     grads.has_mean_logit = g.mean_logit.size != 0;
+    grads.has_lse_squared = g.lse_squared.size != 0;
     return grads;
   }
 

@@ -8,6 +8,7 @@
 #include "distributed_cases.hpp"
 #include "hardening_cases.hpp"
 #include "target_set_cases.hpp"
+#include "bias_cases.hpp"
 
 #include <lce/comm/threads.hpp>
 
@@ -30,6 +31,14 @@ TEST_CASE_TEMPLATE("threads: target sets [N, K] over vocabulary and sequence par
   for (int ranks = 1; ranks <= max_ranks; ++ranks) {
     CAPTURE(ranks);
     lce_dist::run_on_threads(ranks, [](lce::comm::threads comm) { lce_dist::check_target_sets<T>(comm); });
+  }
+}
+
+TEST_CASE_TEMPLATE("threads: an LM head with a bias over vocabulary and sequence parallel ranks equals a single-rank run",
+                   T, float, double, lce::bfloat16) {
+  for (int ranks = 1; ranks <= max_ranks; ++ranks) {
+    CAPTURE(ranks);
+    lce_dist::run_on_threads(ranks, [](lce::comm::threads comm) { lce_dist::check_bias<T>(comm); });
   }
 }
 

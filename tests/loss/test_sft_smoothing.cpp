@@ -13,7 +13,7 @@ namespace {
 // sum over counted tokens of c_i [(1 - eps)(-log p_y) + eps mean_v(-log p_v)], z = x . w in double.
 double materialised_smoothed_loss(const std::vector<double>& x, const std::vector<double>& w, std::int64_t n,
                                   std::int64_t h, std::int64_t v, const batch& b, double norm, double eps,
-                                  bool sequence_mean) {
+                                  bool sequence_mean, double z_loss = 0) {
   double loss = 0;
   for (std::int64_t i = 0; i < n; ++i) {
     const double wi = b.w(i);
@@ -36,7 +36,7 @@ double materialised_smoothed_loss(const std::vector<double>& x, const std::vecto
     const double lse = m + std::log(s);
     double mean_neg_logp = 0;
     for (double e : z) mean_neg_logp += (lse - e) / double(v);
-    loss += c * ((1 - eps) * (lse - z[b.targets[i]]) + eps * mean_neg_logp);
+    loss += c * ((1 - eps) * (lse - z[b.targets[i]]) + eps * mean_neg_logp + z_loss * lse * lse);
   }
   return loss;
 }
@@ -59,20 +59,23 @@ TEST_CASE("sft with label smoothing: one sweep, loss equals the materialised def
   const lce::matrix_view<const double> W{w.data(), V, H};
 
   for (const auto reduction : {lce::loss_reduction::token_mean, lce::loss_reduction::sequence_mean}) {
-    for (const double eps : {0.0, 0.1, 0.4}) {
+    for (const auto [eps, z_loss] : {std::pair{0.0, 0.0}, {0.1, 0.0}, {0.4, 0.0}, {0.0, 0.05}, {0.1, 0.02}}) {
       CAPTURE(eps);
+      CAPTURE(z_loss);
       CAPTURE(int(reduction));
       lce::sft_options opts;
       opts.reduction = reduction;
       opts.label_smoothing = eps;
+      opts.z_loss = z_loss;
       const double norm = double(lce::count_loss_units(thrust::host, b.view(), N, reduction));
-      std::vector<double> g_lp(N), g_lse(N), g_mean(N);
+      std::vector<double> g_lp(N), g_lse(N), g_mean(N), g_square(N);
       std::vector<std::int64_t> seq_tokens(b.s());
-      lce::sft_gradients(thrust::host, b.view(), norm, lce::sft_row_gradients<double>{mv(g_lp), mv(g_lse), mv(g_mean)},
-                         mv(seq_tokens), opts);
+      lce::sft_gradients(thrust::host, b.view(), norm,
+                         lce::sft_row_gradients<double>{mv(g_lp), mv(g_lse), mv(g_mean), mv(g_square)}, mv(seq_tokens),
+                         opts);
       std::vector<double> lp(N), lse(N), mean(N), dx(N * H), dw(V * H, 0.0);
       op.forward_backward(lce::matrix_view<const double>{x.data(), N, H}, W, cv(b.targets),
-                          lce::row_gradients<double>{cv(g_lp), {}, cv(g_lse), cv(g_mean)},
+                          lce::row_gradients<double>{cv(g_lp), {}, cv(g_lse), cv(g_mean), cv(g_square)},
                           lce::row_outputs<double>{mv(lp), mv(lse), {}, mv(mean)},
                           lce::matrix_view<double>{dx.data(), N, H}, lce::matrix_view<double>{dw.data(), V, H});
       const auto loss_from = [&](const std::vector<double>& l, const std::vector<double>& ls,
@@ -83,7 +86,7 @@ TEST_CASE("sft with label smoothing: one sweep, loss equals the materialised def
       };
       const double loss = loss_from(lp, lse, mean);
       const double want = materialised_smoothed_loss(x, w, N, H, V, b, norm, eps,
-                                                     reduction == lce::loss_reduction::sequence_mean);
+                                                     reduction == lce::loss_reduction::sequence_mean, z_loss);
       CHECK(std::fabs(loss - want) < 1e-12 * (1 + std::fabs(want)));
 
       const auto loss_at = [&](const std::vector<double>& xs) {
@@ -123,7 +126,24 @@ TEST_CASE("sft with label smoothing: bad eps and the entry points that cannot sm
                                           {}, opts),
                        doctest::Contains("needs grad_lse and grad_mean_logit"), lce::error);
   CHECK_THROWS_WITH_AS(lce::sft_loss(thrust::host, b.view(), cv(lp), 1.0, lce::sft_outputs<double>{}, opts),
-                       doctest::Contains("needs lse and the mean logit"), lce::error);
+                       doctest::Contains("need lse"), lce::error);
+  // z-loss: a bad lambda, or no lse_squared to write it into
+  opts.label_smoothing = 0.0;
+  for (const double bad : {-0.1, std::nan(""), double(INFINITY)}) {
+    opts.z_loss = bad;
+    CHECK_THROWS_WITH_AS(lce::sft_gradients(thrust::host, b.view(), 1.0,
+                                            lce::sft_row_gradients<double>{mv(g_lp), {}, {}, mv(g_mean)}, {}, opts),
+                         doctest::Contains("options.z_loss must be finite and >= 0"), lce::error);
+  }
+  opts.z_loss = 0.01;
+  CHECK_THROWS_WITH_AS(lce::sft_gradients(thrust::host, b.view(), 1.0, lce::sft_row_gradients<double>{mv(g_lp), {}, {}},
+                                          {}, opts),
+                       doctest::Contains("needs lse_squared"), lce::error);
+  CHECK_THROWS_WITH_AS(lce::sft_grad_logprobs(thrust::host, b.view(), 1.0, mv(g_lp), {}, opts),
+                       doctest::Contains("use sft_gradients"), lce::error);
+  CHECK_THROWS_WITH_AS(lce::sft_loss(thrust::host, b.view(), cv(lp), 1.0, lce::sft_outputs<double>{}, opts),
+                       doctest::Contains("need lse"), lce::error);
+  for (double e : g_mean) CHECK(e == 7.0);
   for (double e : g_lp) CHECK(e == 7.0);
   for (double e : g_lse) CHECK(e == 7.0);
 }

@@ -43,6 +43,10 @@ struct device_shaped_backend {
   void add(lce::matrix_view<From>, lce::matrix_view<To>) {}
   template <class A>
   void fill_zero(lce::matrix_view<A>) {}
+  template <class A, class B>
+  void add_bias(lce::matrix_view<A>, lce::vector_view<const B>, A) {}
+  template <class O, class A>
+  void column_sums(lce::matrix_view<const O>, A, lce::vector_view<A>) {}
   template <class A>
   void soft_cap(lce::matrix_view<A>, const lce::detail::soft_cap_map<A>&) {}
   template <class A, class I>

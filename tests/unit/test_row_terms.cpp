@@ -271,3 +271,50 @@ TEST_CASE("row terms: a row vector of the wrong length is an error naming it, no
   CHECK(gh.bytes() == gh_before);
   CHECK(gw.bytes() == gw_before);
 }
+
+TEST_CASE_TEMPLATE("row_gradients::lse_squared: a z-loss known before the forward, in backward and forward_backward", T,
+                   float, double, lce::bfloat16) {
+  using O = out_t<T>;
+  const std::int64_t n = 13, h = 20, v = 89;
+  for (const auto& s : scalings) {
+    CAPTURE(s.tau);
+    CAPTURE(s.cap);
+    problem p = make_problem(n, h, v, 43, rounder_for<T>(), 1.5, 0.5);
+    p.tau = s.tau;
+    p.cap = s.cap;
+    const forward_result ref = reference_forward(p);
+    const std::vector<double> g = random_vector(n, 15, -1, 1);
+    const std::vector<double> q_given = random_vector(n, 16, -0.2, 0.2);
+    const std::vector<double> lambda = random_vector(n, 17, 0.0, 0.3);
+    // dL/dlse = given + 2 lambda lse, with the reference's lse
+    std::vector<double> q(static_cast<std::size_t>(n));
+    for (std::int64_t i = 0; i < n; ++i)
+      q[static_cast<std::size_t>(i)] = q_given[static_cast<std::size_t>(i)] +
+                                       2 * lambda[static_cast<std::size_t>(i)] * static_cast<double>(ref.lse[i]);
+    const gradients want = reference_with_terms(p, ref, g, {}, q, {});
+
+    auto op = make_op<T>(make_options(s.tau, s.cap, s.chunk));
+    const auto X = make_matrix<T>(p.x, n, h);
+    const auto W = make_matrix<T>(p.w, v, h);
+    const auto Y = make_targets<std::int64_t>(p.y);
+    const vector_buf<O> G(g), Q(q_given), L(lambda);
+    vector_buf<O> lp(n), lse(n);
+    matrix_buf<O> gh(n, h), gw(v, h);
+    gw.fill(O(0));
+    op.forward_backward(X.cview(), W.cview(), Y.cview(), lce::row_gradients<O>{G.cview(), {}, Q.cview(), {}, L.cview()},
+                        lce::row_outputs<O>{lp.view(), lse.view(), {}, {}}, gh.view(), gw.view());
+    LCE_CHECK_CMP(compare_gradient("dX fused", gh, want.dx, gradient_tol<T>()));
+    LCE_CHECK_CMP(compare_gradient("dW fused", gw, want.dw, gradient_tol<T>()));
+
+    matrix_buf<O> gh2(n, h), gw2(v, h);
+    gw2.fill(O(0));
+    op.backward(X.cview(), W.cview(), Y.cview(), lse.cview(),
+                lce::row_gradients<O>{G.cview(), {}, Q.cview(), {}, L.cview()}, gh2.view(), gw2.view());
+    LCE_CHECK_CMP(compare_gradient("dX", gh2, want.dx, gradient_tol<T>()));
+    LCE_CHECK_CMP(compare_gradient("dW", gw2, want.dw, gradient_tol<T>()));
+
+    // Without the z-loss term the same call is far off.
+    const gradients without = reference_with_terms(p, ref, g, {}, q_given, {});
+    CHECK_FALSE(compare_gradient("dW without lse_squared", gw, without.dw, gradient_tol<T>()).ok);
+  }
+}

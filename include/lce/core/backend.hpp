@@ -105,6 +105,7 @@ struct gradient_args {
   const Compute* grad_entropy = nullptr;        // [rows] or null
   const Compute* mean_centred_logit = nullptr;  // [rows] E_p[z] - lse; needed with grad_entropy
   const Compute* grad_lse = nullptr;            // [rows] or null: dL/dlse (a z-loss), adds grad_lse p
+  const Compute* lse_squared = nullptr;         // [rows] or null: the coefficient of lse^2, adds 2 it lse p
   const Compute* grad_mean_logit = nullptr;     // [rows] or null: dL/d(mean logit) (label smoothing), adds it / V
   Compute inverse_vocab = 0;                    // 1 / V, the whole vocabulary (with grad_mean_logit)
   const detail::row_partial<Compute>* exp_row_max = nullptr;  // [rows] or null: see above
@@ -166,7 +167,8 @@ concept backend =
              matrix_view<bfloat16> out_half, vector_view<const double> cvec, vector_view<float> vec,
              statistics_args<float, std::int64_t> statistics, finalize_args<float, std::int32_t> finalize,
              gradient_args<float, std::int64_t> gradient, mean_centred_logit_args<float, std::int32_t> mean_centred,
-             target_set_args<float, std::int32_t> target_set, const detail::row_partial<float>* gathered,
+             target_set_args<float, std::int32_t> target_set, vector_view<const bfloat16> bias,
+             const detail::row_partial<float>* gathered,
              detail::row_partial<float>* merged, std::int64_t count, int ranks, float alpha) {
       // Workspace: 64-byte aligned, allocated before a sweep, never inside it.
       { b.allocate(bytes) } -> std::same_as<void*>;
@@ -182,6 +184,9 @@ concept backend =
       b.copy(cvec, vec);
       b.add(cmat, out_half);
       b.fill_zero(mat);
+      // An LM head's bias: logits[r] += alpha bias; grad_bias += alpha sum_r dz[r] (dz in the GEMM operand type).
+      b.add_bias(mat, bias, alpha);
+      b.column_sums(operand, alpha, vec);
       // Row passes.
       b.soft_cap(mat, detail::soft_cap_map<float>{});
       b.row_statistics(statistics);

@@ -214,6 +214,13 @@ LCE_HOST_DEVICE inline extra_row_terms<A> fold_row_terms(A grad_logprob, A grad_
   return {grad_logprob - grad_lse, grad_mean_logit * inverse_vocab};
 }
 
+// dL/dlse of a row: the given one plus a z-loss's 2 c lse (c the coefficient
+// of lse^2; either pointer may be null).
+template <class A>
+LCE_HOST_DEVICE inline A lse_gradient(const A* grad_lse, const A* lse_squared, const A* lse, std::int64_t r) {
+  return (grad_lse ? grad_lse[r] : A(0)) + (lse_squared ? A(2) * lse_squared[r] * lse[r] : A(0));
+}
+
 }  // namespace detail
 LCE_END_NAMESPACE
 

@@ -25,6 +25,10 @@ struct row_gradients {
   vector_view<const E> entropy;
   vector_view<const E> lse;         // a z-loss lambda lse^2 gives 2 lambda lse
   vector_view<const E> mean_logit;  // label smoothing eps: -eps per counted token (times its weight)
+  // The coefficient of lse^2 in the loss (a z-loss, lambda per counted
+  // token): adds 2 lse_squared lse to dL/dlse with the lse of the same sweep,
+  // so a z-loss is known before the forward and stays on forward_backward.
+  vector_view<const E> lse_squared{};
 };
 
 // Target sets: targets [N, K], K ids per token (a teacher's top-K, several
@@ -47,6 +51,7 @@ struct target_set_gradients {
   vector_view<const E> entropy;
   vector_view<const E> lse;
   vector_view<const E> mean_logit;
+  vector_view<const E> lse_squared{};  // as in row_gradients
 };
 
 LCE_END_NAMESPACE

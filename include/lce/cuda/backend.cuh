@@ -153,6 +153,20 @@ class cuda_backend {
     LCE_CUDA_TRY(cudaGetLastError());
   }
 
+  template <class A, class B>
+  void add_bias(matrix_view<A> logits, vector_view<const B> bias, A alpha) {
+    const auto tiles = detail::cuda_launch::element_tiles(logits.rows, logits.cols);
+    if (tiles.count == 0) return;
+    detail::cuda_kernels::add_bias_kernel<A, B><<<launch_blocks(tiles.launch), tiles.launch.threads, 0, stream()>>>(
+        logits, bias, alpha, tiles.per_row, tiles.count);
+    LCE_CUDA_TRY(cudaGetLastError());
+  }
+
+  template <class O, class A>
+  void column_sums(matrix_view<const O> dz, A alpha, vector_view<A> out) {
+    launch_per_item(dz.cols, detail::cuda_kernels::column_sums_kernel<O, A>, dz, alpha, out.data);
+  }
+
   template <class A, class I>
   void row_statistics(const statistics_args<A, I>& args) {
     const auto launch = detail::cuda_launch::one_block_per_row(args.logits.rows);

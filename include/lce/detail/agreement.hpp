@@ -35,8 +35,10 @@ enum class call_kind : std::int64_t { forward = 1, backward = 3, forward_backwar
 inline std::string describe_call(std::int64_t call) {
   static constexpr const char* outputs[] = {"logprobs", "lse", "entropy", "mean_logit"};
   static constexpr const char* gradients[] = {"grad_logprobs", "grad_entropy", "grad_lse", "grad_mean_logit"};
-  // Bits 0-7 the kind, 8-15 which per-token vectors, 16 on the target set's size K.
-  const std::int64_t kind = call & 0xff, terms = call >> 8 & 0xff, set_size = call >> 16;
+  // Bits 0-7 the kind, 8-19 which per-token vectors (forward_backward: 5 gradient
+  // bits, then the outputs'), 20 on the target set's size K.
+  static constexpr const char* squared = "lse_squared";
+  const std::int64_t kind = call & 0xff, terms = call >> 8 & 0xfff, set_size = call >> 20;
   std::string text;
   std::int64_t output_bits = 0, gradient_bits = 0;
   if (kind == static_cast<std::int64_t>(call_kind::forward)) {
@@ -47,8 +49,8 @@ inline std::string describe_call(std::int64_t call) {
     gradient_bits = terms;
   } else {
     text = "forward_backward(";
-    gradient_bits = terms & 0xf;
-    output_bits = terms >> 4;
+    gradient_bits = terms & 0x1f;
+    output_bits = terms >> 5;
   }
   bool first = true;
   const auto list = [&](const char* const* names, std::int64_t bits) {
@@ -59,7 +61,8 @@ inline std::string describe_call(std::int64_t call) {
       first = false;
     }
   };
-  list(gradients, gradient_bits);
+  list(gradients, gradient_bits & 0xf);
+  if (gradient_bits & 0x10) list(&squared, 1);
   list(outputs, output_bits);
   if (set_size > 0) text += (first ? "" : ", ") + std::string("target sets of ") + std::to_string(set_size);
   return text + ")";

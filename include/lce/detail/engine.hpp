@@ -239,16 +239,19 @@ class engine {
   void backward(const deferred_failure& conversion, const operator_inputs<T, Index>& in,
                 vector_view<const ElementLse> lse,
                 const row_gradient_views<GradLogprobs, GradEntropy, GradLse, GradMeanLogit>& grads,
-                matrix_view<GradHidden> grad_hidden, matrix_view<GradWeight> grad_weight) {
+                matrix_view<GradHidden> grad_hidden, matrix_view<GradWeight> grad_weight,
+                vector_view<Compute> grad_bias = {}) {
     exclusive_call busy(busy_, "backward");
     const auto call = prepare(conversion, in, call_kind::backward, grads.mask(), grad_weight, [&](std::int64_t n) {
       check_rows(lse, "lse", n, "targets");
       check_given(grads, n, in.set_size);
-      check_gradients(in, grad_hidden, grad_weight);
-      check_no_alias({hidden_bytes(in), weight_bytes(in), target_bytes(in), bytes_of(lse, "lse"),
+      check_gradients(in, grad_hidden, grad_weight, grad_bias);
+      check_no_alias({hidden_bytes(in), weight_bytes(in), target_bytes(in), bytes_of(in.bias, "bias"), bytes_of(lse, "lse"),
                       bytes_of(grads.logprobs, "grad_logprobs"), bytes_of(grads.entropy, "grad_entropy"),
-                      bytes_of(grads.lse, "grad_lse"), bytes_of(grads.mean_logit, "grad_mean_logit")},
-                     {bytes_of(grad_hidden, "grad_hidden"), bytes_of(grad_weight, "grad_weight")});
+                      bytes_of(grads.lse, "grad_lse"), bytes_of(grads.mean_logit, "grad_mean_logit"),
+                      bytes_of(grads.lse_squared, "lse_squared")},
+                     {bytes_of(grad_hidden, "grad_hidden"), bytes_of(grad_weight, "grad_weight"),
+                      bytes_of(grad_bias, "grad_bias")});
     });
     if (in.targets.size == 0) return;
     [[maybe_unused]] const auto backend_call = begin_backend_call();
@@ -268,7 +271,7 @@ class engine {
         args.mean_centred_logit = c.row(row_mean_centred);
       }
       backend_.logit_gradients(args);
-      sweep.propagate(c, grad_hidden, weight_gradient);
+      sweep.propagate(c, grad_hidden, weight_gradient, grad_bias);
     });
     end_weight_gradient(weight_gradient, grad_weight);
   }
@@ -285,18 +288,20 @@ class engine {
   void forward_backward(const deferred_failure& conversion, const operator_inputs<T, Index>& in,
                         const row_gradient_views<GradLogprobs, GradEntropy, GradLse, GradMeanLogit>& grads,
                         const row_output_views<Logprobs, Lse, Entropy, MeanLogit>& out,
-                        matrix_view<GradHidden> grad_hidden, matrix_view<GradWeight> grad_weight) {
+                        matrix_view<GradHidden> grad_hidden, matrix_view<GradWeight> grad_weight,
+                        vector_view<Compute> grad_bias = {}) {
     exclusive_call busy(busy_, "forward_backward");
-    const auto call = prepare(conversion, in, call_kind::forward_backward, grads.mask() | out.mask() << 4,
+    const auto call = prepare(conversion, in, call_kind::forward_backward, grads.mask() | out.mask() << 5,
                               grad_weight, [&](std::int64_t n) {
                                 check_given(grads, n, in.set_size);
                                 check_outputs(in, out, n,
                                               {bytes_of(grads.logprobs, "grad_logprobs"),
                                                bytes_of(grads.entropy, "grad_entropy"), bytes_of(grads.lse, "grad_lse"),
-                                               bytes_of(grads.mean_logit, "grad_mean_logit")},
+                                               bytes_of(grads.mean_logit, "grad_mean_logit"),
+                                               bytes_of(grads.lse_squared, "lse_squared")},
                                               {bytes_of(grad_hidden, "grad_hidden"),
-                                               bytes_of(grad_weight, "grad_weight")});
-                                check_gradients(in, grad_hidden, grad_weight);
+                                               bytes_of(grad_weight, "grad_weight"), bytes_of(grad_bias, "grad_bias")});
+                                check_gradients(in, grad_hidden, grad_weight, grad_bias);
                               });
     if (in.targets.size == 0) return;
     [[maybe_unused]] const auto backend_call = begin_backend_call();
@@ -317,7 +322,7 @@ class engine {
       args.exp_row_max = keep_exp ? c.partials : nullptr;
       if (grads.has_entropy) args.mean_centred_logit = c.row(row_mean_centred);
       backend_.logit_gradients(args);
-      sweep.propagate(c, grad_hidden, weight_gradient);
+      sweep.propagate(c, grad_hidden, weight_gradient, grad_bias);
     });
     end_weight_gradient(weight_gradient, grad_weight);
   }
@@ -341,7 +346,7 @@ class engine {
     if (out.has_lse) check_rows(out.lse, "lse", n, "targets");
     if (out.has_entropy) check_rows(out.entropy, "entropy", n, "targets");
     if (out.has_mean_logit) check_rows(out.mean_logit, "mean_logit", n, "targets");
-    std::vector<byte_range> inputs{hidden_bytes(in), weight_bytes(in), target_bytes(in)};
+    std::vector<byte_range> inputs{hidden_bytes(in), weight_bytes(in), target_bytes(in), bytes_of(in.bias, "bias")};
     inputs.insert(inputs.end(), more_inputs.begin(), more_inputs.end());
     std::vector<byte_range> outputs{bytes_of(out.logprobs, "logprobs"), bytes_of(out.lse, "lse"),
                                     bytes_of(out.entropy, "entropy"), bytes_of(out.mean_logit, "mean_logit")};
@@ -365,6 +370,7 @@ class engine {
     if (grads.has_entropy) check_rows(grads.entropy, "grad_entropy", n, "targets");
     if (grads.has_lse) check_rows(grads.lse, "grad_lse", n, "targets");
     if (grads.has_mean_logit) check_rows(grads.mean_logit, "grad_mean_logit", n, "targets");
+    if (grads.has_lse_squared) check_rows(grads.lse_squared, "lse_squared", n, "targets");
   }
 
   template <class Chunk_, class Logprobs, class Lse, class Entropy, class MeanLogit>
@@ -406,6 +412,10 @@ class engine {
     if (grads.has_mean_logit) {
       sweep.gather_rows(c, grads.mean_logit, row_grad_mean_logit);
       args.grad_mean_logit = c.row(row_grad_mean_logit);
+    }
+    if (grads.has_lse_squared) {
+      sweep.gather_rows(c, grads.lse_squared, row_lse_squared);
+      args.lse_squared = c.row(row_lse_squared);
     }
     return args;
   }
@@ -541,7 +551,7 @@ class engine {
       mine.ignore_index = options_.ignore_index;
       mine.temperature_bits = float_bits(options_.temperature);
       mine.softcap_bits = float_bits(options_.softcap);
-      mine.call = static_cast<std::int64_t>(kind) | terms << 8 | in.set_size << 16;
+      mine.call = static_cast<std::int64_t>(kind) | terms << 8 | in.set_size << 20;
       mine.targets_hash = targets.hash;
     }
     const agreed_call agreed = agreement_.agree(comm_, mine, failure);
@@ -614,6 +624,7 @@ class engine {
               in.hidden.rows, " rows of hidden");
     }
     expects(in.weight.rows > 0, "weight: this rank's vocabulary shard is empty (0 rows)");
+    if (in.bias.data || in.bias.size) check_rows(in.bias, "bias", in.weight.rows, "weight");
     expects(workspace_plan<Compute>::padded_ld(in.weight.rows) <= gemm_limit, "weight: a shard of ",
             in.weight.rows, " vocabulary rows exceeds the GEMMs' integer range (", gemm_limit, ")");
   }
@@ -627,10 +638,11 @@ class engine {
 
   template <class Index, class GradHidden, class GradWeight>
   static void check_gradients(const operator_inputs<T, Index>& in, const matrix_view<GradHidden>& grad_hidden,
-                              const matrix_view<GradWeight>& grad_weight) {
+                              const matrix_view<GradWeight>& grad_weight, const vector_view<Compute>& grad_bias) {
     constexpr std::int64_t gemm_limit = gemm_extent_limit<Backend>();
     check_shape(grad_hidden, "grad_hidden", in.hidden.rows, in.hidden.cols, "hidden", gemm_limit);
     check_shape(grad_weight, "grad_weight", in.weight.rows, in.weight.cols, "weight", gemm_limit);
+    if (grad_bias.data || grad_bias.size) check_rows(grad_bias, "grad_bias", in.weight.rows, "weight");
   }
 
   // Where dW accumulates: grad_weight itself when it has the compute type,

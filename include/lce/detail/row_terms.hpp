@@ -30,9 +30,12 @@ struct row_gradient_views {
   vector_view<const Entropy> entropy;    // dL/dentropy
   vector_view<const Lse> lse;            // dL/dlse
   vector_view<const MeanLogit> mean_logit;  // dL/d(mean logit)
-  bool has_logprobs = false, has_entropy = false, has_lse = false, has_mean_logit = false;
+  vector_view<const Lse> lse_squared;    // the coefficient of lse^2 (a z-loss)
+  bool has_logprobs = false, has_entropy = false, has_lse = false, has_mean_logit = false, has_lse_squared = false;
 
-  std::int64_t mask() const { return has_logprobs | has_entropy << 1 | has_lse << 2 | has_mean_logit << 3; }
+  std::int64_t mask() const {
+    return has_logprobs | has_entropy << 1 | has_lse << 2 | has_mean_logit << 3 | has_lse_squared << 4;
+  }
 };
 
 }  // namespace detail

@@ -37,6 +37,7 @@ struct operator_inputs {
   matrix_view<const T> weight;
   vector_view<const Index> targets;
   std::int64_t set_size = 0;
+  vector_view<const T> bias{};  // [V_local] (lce::with_bias), or empty
 
   std::int64_t ids_per_token() const { return set_size > 0 ? set_size : 1; }
   std::int64_t tokens() const { return targets.size / ids_per_token(); }
@@ -77,6 +78,7 @@ struct chunk {
   std::int64_t local_tokens = 0;    // hidden rows per rank (sequence parallel)
   matrix_view<const Operand> hidden;  // [rows, H] in the GEMMs' operand type
   matrix_view<const T> weight;        // [V_local, H]
+  vector_view<const T> bias;          // [V_local] or empty
   vector_view<const Index> targets;   // [rows]: the targets, or a target set's stand-ins (target_set_args)
   vector_view<const Index> set_ids;   // [rows * set_size] (a target-set call), else empty
   std::int64_t set_size = 0;
@@ -124,6 +126,7 @@ class chunk_sweep {
 
     chunk<T, Compute, Operand, Index> c;
     c.weight = in.weight;
+    c.bias = in.bias;
     c.weight_block = at(plan_.weight_block);
     c.partials = static_cast<row_partial<Compute>*>(at(plan_.partials));
     c.gathered = static_cast<row_partial<Compute>*>(at(plan_.gathered));
@@ -192,7 +195,7 @@ class chunk_sweep {
   template <class Index>
   void forward_statistics(const chunk<T, Compute, Operand, Index>& c, bool with_entropy, bool keep_exp,
                           bool with_mean_logit = false) {
-    backend_.logits(c.hidden, c.weight, scaling_.logits_alpha, c.logits, c.weight_block);
+    compute_logits(c);
     backend_.row_statistics(statistics_args<Compute, Index>{c.logits, c.targets, options_.vocab_start,
                                                             options_.ignore_index, scaling_.soft_cap, with_entropy,
                                                             keep_exp, with_mean_logit, c.partials});
@@ -267,8 +270,15 @@ class chunk_sweep {
   // The chunk's logits again (backward), soft-capped and tempered.
   template <class Index>
   void recompute_logits(const chunk<T, Compute, Operand, Index>& c) {
-    backend_.logits(c.hidden, c.weight, scaling_.logits_alpha, c.logits, c.weight_block);
+    compute_logits(c);
     if (scaling_.soft_cap.enabled()) backend_.soft_cap(c.logits, scaling_.soft_cap);
+  }
+
+  // x w^T (+ b) with the logits GEMM's alpha: the bias joins the raw logit.
+  template <class Index>
+  void compute_logits(const chunk<T, Compute, Operand, Index>& c) {
+    backend_.logits(c.hidden, c.weight, scaling_.logits_alpha, c.logits, c.weight_block);
+    if (c.bias.size) backend_.add_bias(c.logits, c.bias, scaling_.logits_alpha);
   }
 
   template <class Index>
@@ -324,11 +334,13 @@ class chunk_sweep {
 
   // dz (in the logit block) -> this rank's dX rows (summed over the ranks'
   // vocabulary shards, in the compute type) and dW.
+  // With grad_bias, also db += alpha sum_rows dz (this rank's shard, over every row of the chunk).
   template <class Index, class GradHidden>
   void propagate(const chunk<T, Compute, Operand, Index>& c, const matrix_view<GradHidden>& grad_hidden,
-                 const matrix_view<Compute>& weight_gradient) {
+                 const matrix_view<Compute>& weight_gradient, const vector_view<Compute>& grad_bias = {}) {
     const matrix_view<const Operand> dz = dz_of(c);
     const Compute alpha = scaling_.temperature_scale;
+    if (grad_bias.size) backend_.column_sums(dz, alpha, grad_bias);
     const auto out = grad_hidden.rows_slice(c.local_first, c.segment_rows);
     if constexpr (std::same_as<GradHidden, Compute>) {
       if (comm_.size() == 1) {

@@ -76,6 +76,7 @@ enum row_array : int {
   row_grad_mean_logit,
   row_mean_centred,
   row_mean_logit,
+  row_lse_squared,
   row_arrays
 };
 

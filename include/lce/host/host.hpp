@@ -192,6 +192,30 @@ class host {
     for_rows(source.rows, source.cols, [&](std::int64_t r) { detail::add_span(source.row(r), target.row(r), source.cols); });
   }
 
+  template <class A, class B>
+  void add_bias(matrix_view<A> logits, vector_view<const B> bias, A alpha) {
+    for_rows(logits.rows, logits.cols, [&](std::int64_t r) {
+      A* row = logits.row(r);
+      for (std::int64_t j = 0; j < logits.cols; ++j) row[j] += alpha * static_cast<A>(bias.data[j]);
+    });
+  }
+
+  // out[j] += alpha sum_r dz[r, j], summed in row order per column: column tiles
+  // from the shapes alone, so the bits do not depend on threads().
+  template <class O, class A>
+  void column_sums(matrix_view<const O> dz, A alpha, vector_view<A> out) {
+    constexpr std::int64_t tile = 512;
+    for_tiles(ceil_div(dz.cols, tile), [&](std::int64_t t) {
+      const std::int64_t first = t * tile, cols = std::min(tile, dz.cols - first);
+      A sums[tile] = {};
+      for (std::int64_t r = 0; r < dz.rows; ++r) {
+        const O* row = dz.row(r) + first;
+        for (std::int64_t j = 0; j < cols; ++j) sums[j] += static_cast<A>(row[j]);
+      }
+      for (std::int64_t j = 0; j < cols; ++j) out.data[first + j] += alpha * sums[j];
+    });
+  }
+
   template <class A>
   void fill_zero(matrix_view<A> target) {
     for_rows(target.rows, target.cols, [&](std::int64_t r) { detail::zero_row(target.row(r), target.cols); });
@@ -266,7 +290,7 @@ class host {
       const std::int64_t n = args.logits.cols;
       const A g = args.grad_logprobs[r];
       const A h = args.grad_entropy ? args.grad_entropy[r] : A(0);
-      const A q = args.grad_lse ? args.grad_lse[r] : A(0);
+      const A q = detail::lse_gradient(args.grad_lse, args.lse_squared, args.lse, r);
       const A m = args.grad_mean_logit ? args.grad_mean_logit[r] : A(0);
       const bool ignored = args.targets[r] == args.ignore_index;
       if (ignored || (g == A(0) && h == A(0) && q == A(0) && m == A(0))) {

@@ -34,15 +34,20 @@ LCE_BEGIN_NAMESPACE
 struct sft_options {
   loss_reduction reduction = loss_reduction::token_mean;
   double label_smoothing = 0;  // eps in [0, 1] (PyTorch's label_smoothing); > 0 needs lse and the mean logit
+  double z_loss = 0;           // lambda >= 0: adds lambda lse^2 per counted token (PaLM's z-loss); > 0 needs lse
 };
 
 // dL/dlogp, dL/dlse and dL/d(mean logit) of the SFT loss [N] each (written by
-// sft_gradients); the last two may be empty when label_smoothing is 0.
+// sft_gradients); the last two may be empty when label_smoothing is 0. With a
+// z-loss, lse_squared [N] receives each token's coefficient of lse^2 (lambda
+// times its scale), which the operator turns into 2 lambda lse in the same
+// sweep (lce::row_gradients::lse_squared).
 template <class G = float>
 struct sft_row_gradients {
   vector_view<G> logprobs;
   vector_view<G> lse;
   vector_view<G> mean_logit;
+  vector_view<G> lse_squared{};
 };
 
 // The operator's lse and mean logit [N] (lce::row_outputs), for the loss with label smoothing.
@@ -62,6 +67,7 @@ struct sft_outputs {
 struct sft_result {
   double loss = 0;             // this rank's share of the global loss (sum over ranks = the global loss)
   double nll_sum = 0;          // sum_i w_i (-logp_i) over this rank's tokens
+  double lse_square_sum = 0;   // sum_i w_i lse_i^2 (with lse given): the z-loss's metric
   std::int64_t tokens = 0;     // counted tokens here
   std::int64_t sequences = 0;  // sequences here with at least one counted token
 };
@@ -78,21 +84,24 @@ struct sft_grad {
 };
 
 template <class R, class C, class I>
-struct sft_terms {  // {loss, nll, tokens}
+struct sft_terms {  // {loss, nll, tokens, w lse^2}
   const R* logp;
   token_scale<C, I> scale;
-  const R* lse = nullptr;   // with label smoothing
-  const R* mean = nullptr;
+  const R* lse = nullptr;   // with label smoothing or a z-loss
+  const R* mean = nullptr;  // with label smoothing
   double eps = 0;
-  LCE_HOST_DEVICE sums<3> operator()(std::int64_t i) const {
-    sums<3> r;
+  double z_loss = 0;
+  LCE_HOST_DEVICE sums<4> operator()(std::int64_t i) const {
+    sums<4> r;
     const double w = scale.w(i);
     if (w == 0.0) return r;
     const double lp = static_cast<double>(logp[i]);
     const double smoothed = eps == 0.0 ? 0.0 : static_cast<double>(lse[i]) - static_cast<double>(mean[i]);
-    r.v[0] = scale(i) * ((1.0 - eps) * -lp + eps * smoothed);
+    const double lse_square = lse ? static_cast<double>(lse[i]) * static_cast<double>(lse[i]) : 0.0;
+    r.v[0] = scale(i) * ((1.0 - eps) * -lp + eps * smoothed + z_loss * lse_square);
     r.v[1] = -w * lp;
     r.v[2] = 1;
+    r.v[3] = w * lse_square;
     return r;
   }
 };
@@ -112,6 +121,7 @@ void sft_checks(Policy&&, const packed_tokens<I, C>&, const seqs<C>& sq, double 
                 std::int64_t seq_tokens, const sft_options& options) {
   expects(options.label_smoothing >= 0.0 && options.label_smoothing <= 1.0, "options.label_smoothing = ",
           options.label_smoothing, " is outside [0, 1]");
+  check_non_negative("options.z_loss", options.z_loss);
   check_normaliser(normaliser, counted, "counted tokens");
   check_size("seq_tokens", seq_tokens, sq.count, "the number of sequences", true);
   expects(options.reduction != loss_reduction::sequence_mean || seq_tokens == sq.count,
@@ -145,10 +155,14 @@ void sft_gradients(Policy&& exec, const packed_tokens<I, C>& batch, double norma
     check_size("grad_lse", out.lse.size, n, "grad_logprobs", false);
     check_size("grad_mean_logit", out.mean_logit.size, n, "grad_logprobs", false);
   }
+  expects(options.z_loss == 0.0 || out.lse_squared.size == n, "options.z_loss = ", options.z_loss,
+          " needs lse_squared of ", n, " tokens, got size ", out.lse_squared.size);
+  check_size("lse_squared", out.lse_squared.size, n, "grad_logprobs", true);
   check_no_alias({bytes_of(batch.targets, "targets"), bytes_of(batch.cu_seqlens, "cu_seqlens"),
                   bytes_of(batch.weights, "weights")},
                  {bytes_of(out.logprobs, "grad_logprobs"), bytes_of(out.lse, "grad_lse"),
-                  bytes_of(out.mean_logit, "grad_mean_logit"), bytes_of(seq_tokens, "seq_tokens")});
+                  bytes_of(out.mean_logit, "grad_mean_logit"), bytes_of(out.lse_squared, "lse_squared"),
+                  bytes_of(seq_tokens, "seq_tokens")});
   const auto w = weight_of(batch);
   const std::int64_t* counts = nullptr;
   if (seq_tokens.size) {
@@ -163,6 +177,8 @@ void sft_gradients(Policy&& exec, const packed_tokens<I, C>& batch, double norma
     thrust::transform(exec, idx, idx + n, out.lse.data, sft_grad<G, C, I>{scale, eps});
     thrust::transform(exec, idx, idx + n, out.mean_logit.data, sft_grad<G, C, I>{scale, -eps});
   }
+  if (out.lse_squared.size)
+    thrust::transform(exec, idx, idx + n, out.lse_squared.data, sft_grad<G, C, I>{scale, options.z_loss});
 }
 
 // grad_logprobs[i] = dL/dlogp_i = -w_i / normaliser (token_mean) or
@@ -174,8 +190,9 @@ void sft_grad_logprobs(Policy&& exec, const packed_tokens<I, C>& batch, double n
                        vector_view<G> grad_logprobs, vector_view<std::int64_t> seq_tokens,
                        const sft_options& options = {}) {
   using namespace loss_detail;
-  expects(options.label_smoothing == 0.0, "options.label_smoothing = ", options.label_smoothing,
-          ": with label smoothing the gradient has lse and mean-logit terms too; use sft_gradients");
+  expects(options.label_smoothing == 0.0 && options.z_loss == 0.0, "options.label_smoothing = ",
+          options.label_smoothing, ", options.z_loss = ", options.z_loss,
+          ": with label smoothing or a z-loss the gradient has lse and mean-logit terms too; use sft_gradients");
   sft_gradients(exec, batch, normaliser, sft_row_gradients<G>{grad_logprobs, {}, {}}, seq_tokens, options);
 }
 
@@ -187,8 +204,9 @@ template <class Policy, class I, class C, class R, class G>
   requires loss_detail::is_policy<Policy>
 sft_result sft_loss(Policy&& exec, const packed_tokens<I, C>& batch, vector_view<R> logprobs, double normaliser,
                     const sft_outputs<G>& out, const sft_options& options = {}) {
-  detail::expects(options.label_smoothing == 0.0, "options.label_smoothing = ", options.label_smoothing,
-                  ": the smoothed loss needs lse and the mean logit (pass sft_smoothing_inputs)");
+  detail::expects(options.label_smoothing == 0.0 && options.z_loss == 0.0, "options.label_smoothing = ",
+                  options.label_smoothing, ", options.z_loss = ", options.z_loss,
+                  ": the smoothed loss and the z-loss need lse (and the mean logit; pass sft_smoothing_inputs)");
   return sft_loss(exec, batch, logprobs, normaliser, out, options, sft_smoothing_inputs<R>{});
 }
 
@@ -213,10 +231,13 @@ sft_result sft_loss(Policy&& exec, const packed_tokens<I, C>& batch, vector_view
                   bytes_of(out.seq_tokens, "seq_tokens")});
   const auto w = weight_of(batch);
   check_finite_values(exec, "logprobs", static_cast<const R0*>(logprobs.data), sq, w);
-  if (eps != 0.0) {
+  check_size("lse", smoothing.lse.size, n, "logprobs", true);
+  if (eps != 0.0 || options.z_loss != 0.0) {
     check_size("lse", smoothing.lse.size, n, "logprobs", false);
-    check_size("mean_logit", smoothing.mean_logit.size, n, "logprobs", false);
     check_finite_values(exec, "lse", static_cast<const R0*>(smoothing.lse.data), sq, w);
+  }
+  if (eps != 0.0) {
+    check_size("mean_logit", smoothing.mean_logit.size, n, "logprobs", false);
     check_finite_values(exec, "mean_logit", static_cast<const R0*>(smoothing.mean_logit.data), sq, w);
   }
   const std::int64_t* counts = nullptr;
@@ -228,12 +249,14 @@ sft_result sft_loss(Policy&& exec, const packed_tokens<I, C>& batch, vector_view
   const auto idx = thrust::make_counting_iterator<std::int64_t>(0);
   sft_result result;
   if (n > 0) {
-    const sft_terms<R0, C, I> terms{logprobs.data, scale, eps != 0.0 ? smoothing.lse.data : nullptr,
-                                    eps != 0.0 ? smoothing.mean_logit.data : nullptr, eps};
-    const sums<3> s = thrust::transform_reduce(exec, idx, idx + n, terms, sums<3>{}, sums_plus<3>{});
+    const bool with_lse = smoothing.lse.size == n && n > 0;
+    const sft_terms<R0, C, I> terms{logprobs.data, scale, with_lse ? smoothing.lse.data : nullptr,
+                                    eps != 0.0 ? smoothing.mean_logit.data : nullptr, eps, options.z_loss};
+    const sums<4> s = thrust::transform_reduce(exec, idx, idx + n, terms, sums<4>{}, sums_plus<4>{});
     result.loss = s.v[0];
     result.nll_sum = s.v[1];
     result.tokens = static_cast<std::int64_t>(s.v[2]);
+    result.lse_square_sum = s.v[3];
     result.sequences = thrust::transform_reduce(exec, idx, idx + sq.count, sequence_has_tokens<C, I>{sq, w},
                                                 std::int64_t{0}, thrust::plus<std::int64_t>());
   }

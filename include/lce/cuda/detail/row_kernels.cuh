@@ -171,7 +171,7 @@ LCE_KERNEL void logit_gradient_kernel(gradient_args<A, I, Out> args, Out* out, s
     const auto id = static_cast<std::int64_t>(args.targets.data[r]);
     const A g = args.grad_logprobs[r];
     const A h = WithEntropy ? args.grad_entropy[r] : A(0);
-    const A q = args.grad_lse ? args.grad_lse[r] : A(0);
+    const A q = lse_gradient(args.grad_lse, args.lse_squared, args.lse, r);
     const A m = args.grad_mean_logit ? args.grad_mean_logit[r] : A(0);
     const bool zero = id == args.ignore_index || (g == A(0) && h == A(0) && q == A(0) && m == A(0));
     const auto terms = fold_row_terms(g, q, m, args.inverse_vocab);
@@ -235,7 +235,7 @@ LCE_KERNEL void target_set_gradient_kernel(gradient_args<A, I, Out> args, Out* o
   const A z = args.logits.data[r * args.logits.ld + column];
   const A g = args.grad_logprobs[r];
   const A h = WithEntropy ? args.grad_entropy[r] : A(0);
-  const A q = args.grad_lse ? args.grad_lse[r] : A(0);
+  const A q = lse_gradient(args.grad_lse, args.lse_squared, args.lse, r);
   const A m = args.grad_mean_logit ? args.grad_mean_logit[r] : A(0);
   A d = A(0);
   if (!(g == A(0) && h == A(0) && q == A(0) && m == A(0))) {
@@ -321,6 +321,33 @@ LCE_KERNEL void convert_kernel(matrix_view<const From> source, matrix_view<To> t
         out[j] = convert<To>(in[j]);
     }
   }
+}
+
+// logits[r, j] += alpha bias[j] (an LM head's bias, before the soft-cap).
+template <class A, class B>
+LCE_KERNEL void add_bias_kernel(matrix_view<A> logits, vector_view<const B> bias, A alpha, std::int64_t tiles_per_row,
+                                std::int64_t tiles) {
+  for (std::int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    const std::int64_t r = tile / tiles_per_row;
+    const std::int64_t first = (tile % tiles_per_row) * cuda_launch::tile_elements;
+    A* const row = logits.data + r * logits.ld;
+#pragma unroll
+    for (int k = 0; k < items_per_thread; ++k) {
+      const std::int64_t j = first + static_cast<std::int64_t>(k) * block_threads + threadIdx.x;
+      if (j < logits.cols) row[j] += alpha * convert<A>(bias.data[j]);
+    }
+  }
+}
+
+// out[j] += alpha sum_r dz[r, j], one thread per column, rows in order (the
+// threads of a warp read consecutive columns of a row).
+template <class O, class A>
+LCE_KERNEL void column_sums_kernel(matrix_view<const O> dz, A alpha, A* out) {
+  const std::int64_t j = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= dz.cols) return;
+  A sum = 0;
+  for (std::int64_t r = 0; r < dz.rows; ++r) sum += convert<A>(dz.data[r * dz.ld + j]);
+  out[j] += alpha * sum;
 }
 
 template <class A>
