@@ -26,6 +26,12 @@
 //                       lce::row_outputs<float>{logp, lse, {}, mean_logit}, dX, dW);
 //   double loss = sft_loss(thrust::host, batch, logp, norm, sft_outputs<float>{}, opts,
 //                          sft_smoothing_inputs<const float>{lse, mean_logit}).loss;
+//
+// A z-loss (sft_options::z_loss = lambda, lambda lse^2 per counted token) is
+// one more row term: sft_gradients writes each token's coefficient of lse^2
+// into sft_row_gradients::lse_squared, which the operator (as
+// lce::row_gradients::lse_squared) turns into dL/dlse = 2 lambda c_i lse with
+// the lse of the same sweep.
 
 #include <lce/loss/packed.hpp>
 
