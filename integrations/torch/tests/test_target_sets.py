@@ -446,8 +446,12 @@ def test_compile_fullgraph(backend):
 SPLIT = [0, 23, 41]  # vocabulary rows of rank 0 and rank 1 (uneven)
 
 
-def _check_tp(rank, group, dtype):
+def _check_tp(rank, group, dtype, sequence_parallel=False):
     d = distill_data(dtype=dtype)
+    if sequence_parallel:
+        # lce's sequence parallelism: every rank holds an equal share of the tokens (12 of 13).
+        d = dict(d, n=12, cu=d["cu"].clamp(max=12),
+                 **{k: d[k][:12] for k in ("hidden", "teacher", "ids", "targets", "weights")})
     h, w, ids = d["hidden"], d["weight"], d["ids"]
     a, b = SPLIT[rank], SPLIT[rank + 1]
     tol = {torch.float64: 1e-10, torch.float32: 2e-5}[dtype]
@@ -465,13 +469,31 @@ def _check_tp(rank, group, dtype):
 
     h1, w1 = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
     one = step(h1, w1)
-    h2, w2 = h.clone().requires_grad_(True), w[a:b].clone().requires_grad_(True)
-    tp = step(h2, w2, vocab_start=a, group=group)
+    # This rank's shard (and, under sequence parallelism, its rows of hidden; all the ids).
+    n = h.shape[0]
+    rows = slice(rank * n // 2, (rank + 1) * n // 2) if sequence_parallel else slice(0, n)
+    h2, w2 = h[rows].clone().requires_grad_(True), w[a:b].clone().requires_grad_(True)
+    tp = step(h2, w2, vocab_start=a, group=group, sequence_parallel=sequence_parallel)
     for what, x, y in zip(("logprobs", "entropy", "lse"), tp[:3], one[:3]):
         close(x, y, what)
     close(tp[3].loss, one[3].loss, "loss")
-    close(h2.grad, h1.grad, "grad_hidden")
+    close(h2.grad, h1.grad[rows], "grad_hidden")
     close(w2.grad, w1.grad[a:b], "grad_weight shard")
+    if sequence_parallel:
+        return
+
+    # Data parallel distillation: each rank its half of the sequences, the normaliser the
+    # global count over the group; the ranks' losses sum to the one-process loss.
+    logq = one[0].detach()
+    s0, s1 = 2 * rank, 2 * rank + 2
+    t0, t1 = int(d["cu"][s0]), int(d["cu"][s1])
+    mine = lce_torch.distill_loss(logq[t0:t1], d["teacher"][t0:t1].to(logq.dtype), ids[t0:t1],
+                                  d["cu"][s0:s1 + 1] - t0, targets=d["targets"][t0:t1],
+                                  weights=d["weights"][t0:t1], group=group)
+    total = mine.loss.detach().double().clone()
+    dist.all_reduce(total, group=group)
+    close(total, one[3].loss.detach().double(), "data-parallel loss sum")
+    close(mine.normaliser, one[3].normaliser, "data-parallel normaliser")
 
     # An id outside every shard raises lce's message on both ranks (no hang), nothing touched.
     bad = ids.clone()
@@ -494,6 +516,7 @@ def _worker(rank, world, init_file, error_dir):
         group = dist.new_group(list(range(world)))
         for dtype in (torch.float64, torch.float32):
             _check_tp(rank, group, dtype)
+        _check_tp(rank, group, torch.float64, sequence_parallel=True)
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:
