@@ -292,6 +292,10 @@ def test_distill_all_tokens_and_batched_layout():
     batched = lce_torch.distill_loss(logq[sl].reshape(3, 4, -1), d["teacher"][sl].reshape(3, 4, -1),
                                      d["ids"][sl].reshape(3, 4, -1), reduction="sequence_mean")
     assert torch.equal(packed.loss, batched.loss) and torch.equal(packed.seq_kl, batched.seq_kl)
+    # int32 ids and cu_seqlens read as the int64 ones, bit for bit.
+    narrow = lce_torch.distill_loss(logq[sl], d["teacher"][sl], d["ids"][sl].int(), torch.tensor([0, 4, 8, 12]).int(),
+                                    reduction="sequence_mean")
+    assert torch.equal(packed.loss, narrow.loss) and torch.equal(packed.seq_kl, narrow.seq_kl)
 
 
 @pytest.mark.parametrize("tail", ["bucket", "renormalise"])
@@ -439,6 +443,21 @@ def test_compile_fullgraph(backend):
     assert not counts["graph_break"], dict(counts["graph_break"])
     for a, b in zip(*results):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_compile_dynamic_shapes():
+    torch._dynamo.reset()
+    compiled = torch.compile(distill_step, fullgraph=True, backend="aot_eager", dynamic=True)
+    for n in (6, 9, 13):
+        d = distill_data(dtype=torch.float32)
+        cu = torch.tensor([0, 2, n])
+        args = (d["ids"][:n], d["teacher"][:n].float(), cu, d["weights"][:n])
+        grads = []
+        for f in (compiled, distill_step):
+            hh = d["hidden"][:n].clone().requires_grad_(True)
+            f(hh, d["weight"], *args)[0].backward()
+            grads.append(hh.grad)
+        torch.testing.assert_close(grads[0], grads[1], atol=1e-6, rtol=1e-5)
 
 
 # ---- tensor parallel (gloo, 2 processes) -------------------------------------------------
