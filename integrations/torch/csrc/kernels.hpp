@@ -207,6 +207,22 @@ struct kernels {
       const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& grad_logprobs,
       const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit,
       bool with_mean_logit, const config& c);
+
+  // Target sets (lce's target_set_outputs / target_set_gradients): ids
+  // [..., K] (K ids per token) instead of targets [...]; the log-probs and
+  // their gradient are [..., K], the row terms [...].
+
+  // -> (logprobs [..., K], lse [...], entropy [...] or [0], mean_logit [...] or [0]).
+  static std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>()> set_forward(
+      const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& ids, bool with_entropy,
+      bool with_mean_logit, const config& c);
+
+  // -> (grad_hidden, grad_weight) for dL/d(logprobs [..., K], entropy, lse, mean_logit).
+  static std::function<std::tuple<at::Tensor, at::Tensor>()> set_backward(
+      const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy, const at::Tensor& hidden,
+      const at::Tensor& weight, const at::Tensor& ids, const at::Tensor& lse,
+      const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit,
+      const config& c);
 };
 
 // Calls f with the targets as an lce vector view of int32 or int64.
@@ -327,6 +343,117 @@ kernels<TorchT>::forward_backward(const at::Tensor& hidden, const at::Tensor& we
           matrix_of<T>(gx), matrix_of<T>(gw));
     });
     return {logp, dx, dw, lse, mean};
+  };
+}
+
+// ids [..., K] as a dense [N, K] matrix (lce needs ld = K): a view when the
+// tensor is contiguous, otherwise a contiguous copy.
+struct sets_view {
+  at::Tensor tensor;
+  std::int64_t rows = 0, k = 0;
+};
+
+inline sets_view as_sets(const at::Tensor& ids) {
+  TORCH_CHECK(ids.dim() >= 1, "lce_torch: ids must be [..., K] (K ids per token), got a scalar");
+  const std::int64_t k = ids.size(-1);
+  std::int64_t rows = 1;
+  for (std::int64_t d = 0; d + 1 < ids.dim(); ++d) rows *= ids.size(d);
+  return {ids.contiguous().view({rows, k}), rows, k};
+}
+
+// A [..., K] input of K values per token (grad_logprobs) as a dense [N, K]
+// tensor of the result dtype.
+inline at::Tensor per_id(const at::Tensor& x, at::ScalarType result, const sets_view& s, const char* name) {
+  TORCH_CHECK(x.device().is_cpu(), "lce_torch: ", name, " must be a CPU tensor, got ", x.device());
+  TORCH_CHECK(at::isFloatingType(x.scalar_type()), "lce_torch: ", name, " must be floating point, got ",
+              x.scalar_type());
+  TORCH_CHECK(x.numel() == s.rows * s.k, "lce_torch: ", name, " has ", x.numel(), " elements, the ids [", s.rows,
+              ", ", s.k, "]");
+  at::Tensor v = x.contiguous().view({s.rows, s.k});
+  if (v.scalar_type() != result) v = v.to(result);
+  return v;
+}
+
+template <class E>
+lce::matrix_view<E> dense_of(const at::Tensor& m) {
+  return {reinterpret_cast<E*>(const_cast<void*>(m.const_data_ptr())), m.size(0), m.size(1), m.size(1)};
+}
+
+// Calls f with the ids as an lce matrix view of int32 or int64.
+template <class F>
+decltype(auto) with_sets(const at::Tensor& t, F&& f) {
+  if (t.scalar_type() == at::kInt) return f(dense_of<const std::int32_t>(t));
+  return f(dense_of<const std::int64_t>(t));
+}
+
+template <class TorchT>
+std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>()> kernels<TorchT>::set_forward(
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& ids, bool with_entropy,
+    bool with_mean_logit, const config& c) {
+  auto* op = &operator_cache<T>::get(c);
+  const rows_view x = as_rows(hidden, "hidden"), w = as_rows(weight, "weight");
+  const sets_view y = as_sets(ids);
+  const auto rows_shape = ids.sizes().slice(0, ids.dim() - 1);
+  const auto out = at::TensorOptions().dtype(c10::CppTypeToScalarType<R>::value);
+  at::Tensor logp = at::empty(ids.sizes(), out), lse = at::empty(rows_shape, out);
+  at::Tensor ent = with_entropy ? at::empty(rows_shape, out) : at::empty({0}, out);
+  at::Tensor mean = with_mean_logit ? at::empty(rows_shape, out) : at::empty({0}, out);
+  return [=]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> {
+    workspace_release<op_of<TorchT>> release{*op};
+    with_sets(y.tensor, [&](auto sets) {
+      op->forward(matrix_of<const T>(x), matrix_of<const T>(w), sets,
+                  lce::target_set_outputs<R>{dense_of<R>(logp.view({y.rows, y.k})), vector_of<R>(lse),
+                                             with_entropy ? vector_of<R>(ent) : lce::vector_view<R>{},
+                                             with_mean_logit ? vector_of<R>(mean) : lce::vector_view<R>{}});
+    });
+    return {logp, lse, ent, mean};
+  };
+}
+
+template <class TorchT>
+std::function<std::tuple<at::Tensor, at::Tensor>()> kernels<TorchT>::set_backward(
+    const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy, const at::Tensor& hidden,
+    const at::Tensor& weight, const at::Tensor& ids, const at::Tensor& lse,
+    const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit, const config& c) {
+  auto* op = &operator_cache<T>::get(c);
+  const rows_view x = as_rows(hidden, "hidden"), w = as_rows(weight, "weight");
+  sets_view y = as_sets(ids);
+  const auto rt = c10::CppTypeToScalarType<R>::value;
+  const std::int64_t n = y.rows;
+  const at::Tensor ls = per_token(lse, rt, n, "lse");
+  at::Tensor gl = per_id(grad_logprobs, rt, y, "grad_logprobs");
+  at::Tensor ge = given(grad_entropy) ? per_token(*grad_entropy, rt, n, "grad_entropy") : at::Tensor();
+  const at::Tensor gq = given(grad_lse) ? per_token(*grad_lse, rt, n, "grad_lse") : at::Tensor();
+  at::Tensor gm = given(grad_mean_logit) ? per_token(*grad_mean_logit, rt, n, "grad_mean_logit") : at::Tensor();
+  if (gq.defined() && n > 0 && y.k > 0) {
+    // As in backward above: a token whose K ids are all ignored takes no
+    // gradient in lce, but its lse is real. Its first id becomes a valid
+    // stand-in (the same on every rank) with no log-prob, entropy or
+    // mean-logit gradient, so that only dL/dlse reaches it.
+    const at::Tensor ignored = (y.tensor == c.ignore_index).all(1);
+    const std::int64_t stand_in = c.ignore_index == 0 ? 1 : 0;
+    const bool representable = c.group_name || stand_in < w.rows;
+    if (representable && ignored.any().item<bool>()) {
+      at::Tensor first = y.tensor.select(1, 0).masked_fill(ignored, stand_in);
+      y.tensor = y.tensor.clone();
+      y.tensor.select(1, 0).copy_(first);
+      gl = gl.masked_fill(ignored.unsqueeze(1), 0);
+      if (ge.defined()) ge = ge.masked_fill(ignored, 0);
+      if (gm.defined()) gm = gm.masked_fill(ignored, 0);
+    }
+  }
+  at::Tensor dx = at::empty(hidden.sizes(), hidden.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor dw = at::zeros({w.rows, w.cols}, weight.options().memory_format(at::MemoryFormat::Contiguous));
+  const rows_view gx = as_rows(dx, "grad_hidden"), gw = as_rows(dw, "grad_weight");
+  return [=]() -> std::tuple<at::Tensor, at::Tensor> {
+    workspace_release<op_of<TorchT>> release{*op};
+    with_sets(y.tensor, [&](auto sets) {
+      op->backward(matrix_of<const T>(x), matrix_of<const T>(w), sets, vector_of<const R>(ls),
+                   lce::target_set_gradients<R>{dense_of<const R>(gl), optional_vector<const R>(ge),
+                                                optional_vector<const R>(gq), optional_vector<const R>(gm)},
+                   matrix_of<T>(gx), matrix_of<T>(gw));
+    });
+    return {dx, dw};
   };
 }
 

@@ -16,6 +16,8 @@
 //   lce::policy_gradient_loss logprobs, advantages, old_logprobs?, ref_logprobs?, generation_logprobs?,
 //                            entropy?, targets?, cu_seqlens?, weights?
 //                            -> loss, grad_logprobs, grad_entropy, seq_tokens, metrics
+//   lce::distill_loss        student_logprobs [N, K], teacher_logprobs [N, K], ids [N, K], targets?,
+//                            cu_seqlens?, weights? -> loss, grad_logprobs [N, K], seq_kl, seq_tokens, metrics
 //
 // Per-token tensors are 1-D [N] (the Python functions flatten a [B, T]
 // layout), contiguous or not (a contiguous copy is made). Log-probs and the
@@ -380,6 +382,90 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_gr
   return run(normaliser_of(normaliser, group_name, prepare, run));
 }
 
+// --- distillation from a teacher's top-K ------------------------------------------
+
+lce::distill_tail parse_tail(const std::string& tail) {
+  if (tail == "bucket") return lce::distill_tail::bucket;
+  TORCH_CHECK_VALUE(tail == "renormalise", "lce_torch: tail must be 'bucket' or 'renormalise', got '", tail, "'");
+  return lce::distill_tail::renormalise;
+}
+
+// An [N, K] input of K values per token, dense (lce reads ld = K).
+at::Tensor set_matrix(const at::Tensor& t, const char* name) {
+  check_cpu(t, name);
+  TORCH_CHECK(t.dim() == 2, "lce_torch: ", name, " must be [N, K], got shape ", t.sizes());
+  return t.contiguous();
+}
+
+template <class T>
+lce::matrix_view<T> matrix_view_of(const at::Tensor& t) {
+  using bare = std::remove_const_t<T>;
+  return {const_cast<bare*>(t.const_data_ptr<bare>()), t.size(0), t.size(1), t.size(1)};
+}
+
+// metrics: [kl_sum, teacher_mass, student_mass, tokens, normaliser] (float64)
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> distill_loss(
+    const at::Tensor& student_logprobs, const at::Tensor& teacher_logprobs, const at::Tensor& ids,
+    const std::optional<at::Tensor>& targets, const std::optional<at::Tensor>& cu_seqlens,
+    const std::optional<at::Tensor>& weights, std::int64_t ignore_index, const std::string& reduction,
+    const std::string& tail, std::optional<double> normaliser, std::optional<std::string> group_name) {
+  lce::distill_options opt;
+  at::ScalarType dtype{};
+  batch_tensors b;
+  at::Tensor student, teacher, id_matrix;
+  const auto run = [&](double norm) {
+    const auto options = student.options();
+    at::Tensor grad_logprobs = at::empty(student.sizes(), options);
+    at::Tensor seq_kl = at::empty({b.sequences}, options.dtype(at::kDouble));
+    at::Tensor seq_tokens = at::empty({b.sequences}, options.dtype(at::kLong));
+    return dispatch(dtype, [&]<class R>() {
+      const lce::distill_result r = lce::distill_loss(
+          thrust::host, b.batch,
+          lce::distill_inputs<index_t, const R>{matrix_view_of<const index_t>(id_matrix),
+                                                matrix_view_of<const R>(teacher), matrix_view_of<const R>(student)},
+          norm,
+          lce::distill_outputs<R>{matrix_view_of<R>(grad_logprobs), view_of<double>(seq_kl),
+                                  view_of<std::int64_t>(seq_tokens)},
+          opt);
+      at::Tensor loss = at::scalar_tensor(r.loss, options);
+      at::Tensor metrics = double_tensor({r.kl_sum, r.teacher_mass, r.student_mass, static_cast<double>(r.tokens), norm});
+      return std::make_tuple(loss, grad_logprobs, seq_kl, seq_tokens, metrics);
+    });
+  };
+  const auto prepare = [&] {
+    opt.reduction = parse_reduction(reduction);
+    opt.tail = parse_tail(tail);
+    student = set_matrix(student_logprobs, "student_logprobs");
+    dtype = student.scalar_type();
+    TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kDouble, "lce_torch: student_logprobs must be float32 or ",
+                     "float64 (as linear_target_set_logprobs returns them), got ", dtype);
+    teacher = set_matrix(teacher_logprobs, "teacher_logprobs");
+    TORCH_CHECK_TYPE(teacher.scalar_type() == dtype, "lce_torch: teacher_logprobs must be ", dtype,
+                     " (the dtype of student_logprobs), got ", teacher.scalar_type());
+    id_matrix = set_matrix(ids, "ids");
+    TORCH_CHECK_TYPE(id_matrix.scalar_type() == at::kInt || id_matrix.scalar_type() == at::kLong,
+                     "lce_torch: ids must be int32 or int64, got ", id_matrix.scalar_type());
+    id_matrix = id_matrix.to(at::kLong);  // one instantiation (index_t), as the targets
+    b = make_batch(targets, cu_seqlens, weights, ignore_index);
+    const std::int64_t n = id_matrix.size(0);
+    // A token whose K ids are all ignore_index is an ignored token (as in the
+    // operator's target sets): it leaves the batch's counted tokens, so that
+    // the normaliser (and sequence_mean's counts) are those of tokens with a
+    // teacher distribution. lce's own checks see the batch as given when its
+    // sizes are wrong (its message, not a broadcast error here).
+    const bool sized = !b.targets.defined() || b.targets.numel() == n;
+    if (sized && n > 0 && id_matrix.size(1) > 0) {
+      const at::Tensor none = (id_matrix == ignore_index).all(1);
+      at::Tensor t = b.targets.defined() ? b.targets : at::zeros({n}, id_matrix.options());
+      if (ignore_index == 0 && !b.targets.defined()) t = t.fill_(1);  // a counted stand-in target
+      b.targets = t.masked_fill(none, ignore_index);
+      b.batch.targets = view_of<const index_t>(b.targets);
+    }
+    return lce::count_loss_units(thrust::host, b.batch, n, opt.reduction);
+  };
+  return run(normaliser_of(normaliser, group_name, prepare, run));
+}
+
 }  // namespace
 }  // namespace lce_torch
 
@@ -405,6 +491,10 @@ TORCH_LIBRARY_FRAGMENT(lce, m) {
         "float tis_cap=0.0, float entropy_coef=0.0, bool sequence_advantages=False, float? normaliser=None, "
         "str? group_name=None) "
         "-> (Tensor loss, Tensor grad_logprobs, Tensor grad_entropy, Tensor seq_tokens, Tensor metrics)");
+  m.def("distill_loss(Tensor student_logprobs, Tensor teacher_logprobs, Tensor ids, Tensor? targets=None, "
+        "Tensor? cu_seqlens=None, Tensor? weights=None, *, int ignore_index=-100, str reduction='token_mean', "
+        "str tail='bucket', float? normaliser=None, str? group_name=None) "
+        "-> (Tensor loss, Tensor grad_logprobs, Tensor seq_kl, Tensor seq_tokens, Tensor metrics)");
 }
 
 TORCH_LIBRARY_IMPL(lce, CPU, m) {
@@ -413,4 +503,5 @@ TORCH_LIBRARY_IMPL(lce, CPU, m) {
   m.impl("sft_loss", &lce_torch::sft_loss);
   m.impl("dpo_loss", &lce_torch::dpo_loss);
   m.impl("policy_gradient_loss", &lce_torch::policy_gradient_loss);
+  m.impl("distill_loss", &lce_torch::distill_loss);
 }

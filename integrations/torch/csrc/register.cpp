@@ -8,6 +8,12 @@
 //   lce::logprobs_forward_backward hidden, weight, targets, grad_logprobs, grad_lse?, grad_mean_logit?
 //                                  -> logprobs, grad_hidden, grad_weight, lse, mean_logit (one sweep)
 //
+//   lce::target_set_logprobs      hidden, weight, ids [..., K] -> logprobs [..., K], lse, entropy, mean_logit
+//   lce::target_set_logprobs_backward
+//                                  grad_logprobs [..., K], grad_entropy?, hidden, weight, ids, lse,
+//                                  grad_lse?, grad_mean_logit? -> grad_hidden, grad_weight
+//   (target sets: K ids per token, e.g. a teacher's top-K; lce's target_set_outputs / _gradients)
+//
 // (lce's row-term forms: entropy and mean_logit are [0] unless with_entropy /
 // with_mean_logit; a missing gradient counts as 0.)
 //
@@ -54,7 +60,8 @@ config make_config(std::int64_t vocab_start, std::int64_t ignore_index, double t
   return c;
 }
 
-void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets) {
+void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+                  const char* targets_name = "targets") {
   TORCH_CHECK(hidden.device().is_cpu() && weight.device().is_cpu() && targets.device().is_cpu(),
               "lce_torch: hidden, weight and targets must all be CPU tensors, got ", hidden.device(), ", ",
               weight.device(), ", ", targets.device());
@@ -67,7 +74,7 @@ void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::
   TORCH_CHECK_TYPE(t == at::kFloat || t == at::kDouble || t == at::kBFloat16 || t == at::kHalf,
                    "lce_torch: hidden and weight must be float32, float64, bfloat16 or float16, got ", t);
   TORCH_CHECK_TYPE(targets.scalar_type() == at::kInt || targets.scalar_type() == at::kLong,
-                   "lce_torch: targets must be int32 or int64, got ", targets.scalar_type());
+                   "lce_torch: ", targets_name, " must be int32 or int64, got ", targets.scalar_type());
 }
 
 // Calls f.template operator()<TorchT>() for the dtype of hidden.
@@ -165,6 +172,38 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprobs_
   });
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> target_set_logprobs_cpu(
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& ids, bool with_entropy,
+    bool with_mean_logit, std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap,
+    bool sequence_parallel, std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes,
+    std::optional<std::string> group_name) {
+  const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
+                               workspace_limit_bytes, group_name);
+  return agreed(c, hidden, [&] {
+    check_inputs(hidden, weight, ids, "ids");
+    return dispatch(hidden.scalar_type(), [&]<class TorchT>() {
+      return kernels<TorchT>::set_forward(hidden, weight, ids, with_entropy, with_mean_logit, c);
+    });
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> target_set_logprobs_backward_cpu(
+    const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy, const at::Tensor& hidden,
+    const at::Tensor& weight, const at::Tensor& ids, const at::Tensor& lse,
+    const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit,
+    std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel,
+    std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name) {
+  const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
+                               workspace_limit_bytes, group_name);
+  return agreed(c, hidden, [&] {
+    check_inputs(hidden, weight, ids, "ids");
+    return dispatch(hidden.scalar_type(), [&]<class TorchT>() {
+      return kernels<TorchT>::set_backward(grad_logprobs, grad_entropy, hidden, weight, ids, lse, grad_lse,
+                                           grad_mean_logit, c);
+    });
+  });
+}
+
 // CUDA: lce's CUDA backend (lce::cuda_backend{cudaStream_t}) is not in the
 // repository yet. When it lands, these become kernels instantiating
 // ChunkedHiddenToLogprobs<..., lce::cuda_backend> on
@@ -193,6 +232,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprobs_
   no_cuda_yet();
 }
 
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> target_set_logprobs_cuda(
+    const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, bool, std::int64_t, std::int64_t, double, double,
+    bool, std::int64_t, std::int64_t, std::optional<std::string>) {
+  no_cuda_yet();
+}
+std::tuple<at::Tensor, at::Tensor> target_set_logprobs_backward_cuda(
+    const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+    const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, std::int64_t,
+    std::int64_t, double, double, bool, std::int64_t, std::int64_t, std::optional<std::string>) {
+  no_cuda_yet();
+}
+
 std::string blas_info_line() { return lce::blas_info().line(); }
 
 }  // namespace
@@ -208,6 +259,12 @@ TORCH_LIBRARY(lce, m) {
   m.def("logprobs_forward_backward(Tensor hidden, Tensor weight, Tensor targets, Tensor grad_logprobs, "
         "Tensor? grad_lse=None, Tensor? grad_mean_logit=None, *, bool with_mean_logit=False, " LCE_TORCH_OPTIONS
         ") -> (Tensor logprobs, Tensor grad_hidden, Tensor grad_weight, Tensor lse, Tensor mean_logit)");
+  m.def("target_set_logprobs(Tensor hidden, Tensor weight, Tensor ids, *, bool with_entropy=False, "
+        "bool with_mean_logit=False, " LCE_TORCH_OPTIONS
+        ") -> (Tensor logprobs, Tensor lse, Tensor entropy, Tensor mean_logit)");
+  m.def("target_set_logprobs_backward(Tensor grad_logprobs, Tensor? grad_entropy, Tensor hidden, Tensor weight, "
+        "Tensor ids, Tensor lse, Tensor? grad_lse=None, Tensor? grad_mean_logit=None, *, " LCE_TORCH_OPTIONS
+        ") -> (Tensor grad_hidden, Tensor grad_weight)");
   m.def("blas_info() -> str", &lce_torch::blas_info_line);
   m.def("set_keep_workspace(bool keep) -> ()", &lce_torch::set_keep_workspace);
 }
@@ -216,6 +273,8 @@ TORCH_LIBRARY_IMPL(lce, CPU, m) {
   m.impl("logprobs", &lce_torch::logprobs_cpu);
   m.impl("logprobs_backward", &lce_torch::logprobs_backward_cpu);
   m.impl("logprobs_forward_backward", &lce_torch::logprobs_forward_backward_cpu);
+  m.impl("target_set_logprobs", &lce_torch::target_set_logprobs_cpu);
+  m.impl("target_set_logprobs_backward", &lce_torch::target_set_logprobs_backward_cpu);
 }
 
 // The place for the CUDA kernels (see no_cuda_yet above).
@@ -223,4 +282,6 @@ TORCH_LIBRARY_IMPL(lce, CUDA, m) {
   m.impl("logprobs", &lce_torch::logprobs_cuda);
   m.impl("logprobs_backward", &lce_torch::logprobs_backward_cuda);
   m.impl("logprobs_forward_backward", &lce_torch::logprobs_forward_backward_cuda);
+  m.impl("target_set_logprobs", &lce_torch::target_set_logprobs_cuda);
+  m.impl("target_set_logprobs_backward", &lce_torch::target_set_logprobs_backward_cuda);
 }

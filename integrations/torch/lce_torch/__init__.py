@@ -3,6 +3,7 @@
     import lce_torch
     logp = lce_torch.linear_logprobs(hidden, weight, targets)           # [...], differentiable
     loss = lce_torch.linear_cross_entropy(hidden, weight, targets)      # = F.cross_entropy(F.linear(h, w), y)
+    logp_k = lce_torch.linear_target_set_logprobs(hidden, weight, ids)  # ids [..., K] -> [..., K]
 
 Neither materialises the [tokens, vocab] logits: lce computes them a chunk of
 tokens at a time (at most ``workspace_limit_bytes`` of scratch, 256 MiB by
@@ -16,18 +17,22 @@ log-probs above; autograd continues into lce's backward):
     out = lce_torch.sft_loss(logp, targets, cu_seqlens)                 # .loss, .tokens, ...
     out = lce_torch.dpo_loss(logp, cu_seqlens, ref_logprobs=ref_logp, targets=targets, beta=0.1)
     out = lce_torch.policy_gradient_loss(logp, adv, cu_seqlens, old_logprobs=old, targets=targets)
+    out = lce_torch.distill_loss(logp_k, teacher_logp_k, ids, cu_seqlens)  # KL(teacher || student), top-K
 
-The operators are ``torch.ops.lce.logprobs``, ``torch.ops.lce.logprobs_backward``
-and ``torch.ops.lce.logprobs_forward_backward`` (CPU kernels; fake kernels and
+The operators are ``torch.ops.lce.logprobs``, ``torch.ops.lce.logprobs_backward``,
+``torch.ops.lce.logprobs_forward_backward``, ``torch.ops.lce.target_set_logprobs`` and
+``torch.ops.lce.target_set_logprobs_backward`` (CPU kernels; fake kernels and
 autograd registered, so torch.compile(fullgraph=True) traces them).
 """
 import torch
 
 from . import _ops  # noqa: F401  (registers fake kernels and autograd)
 from ._losses import (
+    DistillResult,
     DPOResult,
     PolicyGradientResult,
     SFTResult,
+    distill_loss,
     dpo_loss,
     next_token_targets,
     policy_gradient_loss,
@@ -37,6 +42,7 @@ from ._losses import (
 
 __all__ = [
     "linear_logprobs",
+    "linear_target_set_logprobs",
     "linear_cross_entropy",
     "shard_vocab_start",
     "blas_info",
@@ -46,9 +52,11 @@ __all__ = [
     "sft_loss",
     "dpo_loss",
     "policy_gradient_loss",
+    "distill_loss",
     "SFTResult",
     "DPOResult",
     "PolicyGradientResult",
+    "DistillResult",
 ]
 
 _DEFAULT_WORKSPACE = 256 << 20
@@ -103,6 +111,41 @@ def linear_logprobs(hidden, weight, targets, *, vocab_start=0, ignore_index=-100
                     workspace_limit_bytes, group)
     logp, lse, ent, mean = torch.ops.lce.logprobs(hidden, weight, targets, with_entropy=with_entropy,
                                                   with_mean_logit=return_mean_logit, **opts)
+    out = (logp,)
+    if with_entropy:
+        out += (ent,)
+    if return_lse:
+        out += (lse,)
+    if return_mean_logit:
+        out += (mean,)
+    return out[0] if len(out) == 1 else out
+
+
+def linear_target_set_logprobs(hidden, weight, ids, *, vocab_start=0, ignore_index=-100, temperature=1.0,
+                               softcap=0.0, with_entropy=False, return_lse=False, return_mean_logit=False,
+                               group=None, sequence_parallel=False, chunk_tokens=0,
+                               workspace_limit_bytes=_DEFAULT_WORKSPACE):
+    """Log-probs of K ids per token (a target set: e.g. a teacher's top-K), without the logits.
+
+    hidden [..., H], weight [V_local, H] as in ``linear_logprobs``; ``ids`` [..., K]
+    (int32 / int64 global ids; the last dimension is the set, the leading ones the
+    tokens). Returns ``logprobs`` [..., K] =
+    ``log_softmax(logits).gather(-1, ids)`` (float32; float64 for float64 inputs), 0 where
+    an id is ``ignore_index``; a token whose K ids are all ignored is an ignored token
+    (entropy and mean logit 0 there, its lse real). ``with_entropy`` / ``return_lse`` /
+    ``return_mean_logit`` append the per-token [...] row terms as ``linear_logprobs`` does.
+    Differentiable with respect to hidden and weight (lce's target-set backward: one
+    sweep, any gradient over the K log-probs). The ids of a token should be distinct
+    (``distill_loss`` requires it).
+
+    group / vocab_start / sequence_parallel: tensor parallel as in ``linear_logprobs``
+    (each rank its shard of the vocabulary; every rank the same ids).
+    Contiguous ids and hidden are used in place (no copy).
+    """
+    opts = _options(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
+                    workspace_limit_bytes, group)
+    logp, lse, ent, mean = torch.ops.lce.target_set_logprobs(hidden, weight, ids, with_entropy=with_entropy,
+                                                             with_mean_logit=return_mean_logit, **opts)
     out = (logp,)
     if with_entropy:
         out += (ent,)

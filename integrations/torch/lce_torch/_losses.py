@@ -63,6 +63,19 @@ class PolicyGradientResult(NamedTuple):
     normaliser: torch.Tensor
 
 
+class DistillResult(NamedTuple):
+    """``loss`` is differentiable (w.r.t. the student's log-probs); the rest are tensors
+    (float64, counts int64). Masses are sums over counted tokens: divide by ``tokens``."""
+    loss: torch.Tensor            # this rank's share of the (global) mean KL
+    kl_sum: torch.Tensor          # sum_i w_i KL_i over this rank's counted tokens
+    teacher_mass: torch.Tensor    # sum_i of the teacher's top-K probability mass
+    student_mass: torch.Tensor    # sum_i of the student's probability mass on those ids
+    tokens: torch.Tensor          # counted tokens here (with at least one id)
+    normaliser: torch.Tensor      # the divisor used (global count with a group)
+    seq_kl: torch.Tensor          # [S] sum of w_i KL_i per sequence (float64)
+    seq_tokens: torch.Tensor      # [S] counted tokens per sequence (int64)
+
+
 def _group_name(group):
     if group is None:
         return None
@@ -118,6 +131,15 @@ def _policy_gradient_loss_fake(logprobs, advantages, old_logprobs=None, ref_logp
     return (logprobs.new_empty(()), logprobs.new_empty((n,)), logprobs.new_empty((n if entropy is not None else 0,)),
             logprobs.new_empty((_sequence_count(cu_seqlens),), dtype=torch.int64),
             logprobs.new_empty((12,), dtype=torch.float64))
+
+
+@torch.library.register_fake("lce::distill_loss")
+def _distill_loss_fake(student_logprobs, teacher_logprobs, ids, targets=None, cu_seqlens=None, weights=None,
+                       **options):
+    s = _sequence_count(cu_seqlens)
+    return (student_logprobs.new_empty(()), student_logprobs.new_empty(student_logprobs.shape),
+            student_logprobs.new_empty((s,), dtype=torch.float64), student_logprobs.new_empty((s,), dtype=torch.int64),
+            student_logprobs.new_empty((5,), dtype=torch.float64))
 
 
 # ---- autograd: the stored C++ gradients times the incoming scalar --------------
@@ -188,6 +210,21 @@ def _pg_backward(ctx, grad_loss, *unused):
 
 
 torch.library.register_autograd("lce::policy_gradient_loss", _pg_backward, setup_context=_pg_setup_context)
+
+
+def _distill_setup_context(ctx, inputs, keyword_only_inputs, output):
+    _, grad_logprobs, seq_kl, seq_tokens, metrics = output
+    ctx.save_for_backward(grad_logprobs)
+    ctx.mark_non_differentiable(grad_logprobs, seq_kl, seq_tokens, metrics)
+
+
+def _distill_backward(ctx, grad_loss, *unused):
+    (grad_logprobs,) = ctx.saved_tensors
+    # The teacher's log-probs are constants of the loss (no gradient to them).
+    return (_scaled(grad_loss, grad_logprobs) if _needs(ctx, 0) else None, None, None, None, None, None)
+
+
+torch.library.register_autograd("lce::distill_loss", _distill_backward, setup_context=_distill_setup_context)
 
 
 # ---- Python API -------------------------------------------------------------------
@@ -351,3 +388,65 @@ def policy_gradient_loss(logprobs, advantages, cu_seqlens=None, *, old_logprobs=
         normaliser=_normaliser(normaliser), group_name=_group_name(group))
     return PolicyGradientResult(loss, m[0], m[1], m[2], m[3].to(torch.int64), m[4], m[5], m[6], m[7], m[8], m[9],
                                 m[10], m[11])
+
+
+def distill_loss(student_logprobs, teacher_logprobs, ids, cu_seqlens=None, *, targets=None, weights=None,
+                 ignore_index=-100, reduction="token_mean", tail="bucket", normaliser=None,
+                 group=None) -> DistillResult:
+    """Distillation from a teacher's top-K (lce::distill_loss): the forward
+    KL(teacher || student) per token over the teacher's K ids, reduced as ``sft_loss``.
+
+    student_logprobs: the student's log-probs of ``ids`` from
+    ``linear_target_set_logprobs(hidden, weight, ids)`` (float32 / float64),
+    differentiable; teacher_logprobs: the teacher's log-probs of the same ids (a
+    normalised distribution over the whole vocabulary; converted to the student's
+    dtype; a constant); ids: the teacher's top-K (int32 / int64, distinct per token,
+    ``ignore_index`` for absent ones). Packed [N, K] with ``cu_seqlens`` [S + 1] (None:
+    one sequence), or [B, T, K] without cu_seqlens (each row a sequence).
+
+    tail: "bucket" (the teacher's remaining mass 1 - sum_k p_k against the student's,
+    as one more outcome) or "renormalise" (the teacher renormalised over its top-K,
+    against the student's full distribution). A token counts when its ``targets`` entry
+    (optional, [N] / [B, T]) is not ``ignore_index``, its weight is not 0 and at least one
+    of its ids is not ``ignore_index``. reduction ("token_mean" / "sequence_mean"),
+    normaliser and group as in ``sft_loss``.
+    """
+    fn = "distill_loss"
+    if student_logprobs.dim() == 3:
+        if cu_seqlens is not None:
+            raise ValueError(f"lce_torch.{fn}: a [B, T, K] student_logprobs ({tuple(student_logprobs.shape)}) takes "
+                             f"no cu_seqlens (its rows are the sequences); pass packed [N, K] tensors instead")
+        b, t, k = student_logprobs.shape
+        cu_seqlens = torch.arange(b + 1, dtype=torch.int64, device=student_logprobs.device) * t
+        per_set = (b * t, k)
+        per_token = (b, t)
+    elif student_logprobs.dim() == 2:
+        per_set = tuple(student_logprobs.shape)
+        per_token = None
+    else:
+        raise ValueError(f"lce_torch.{fn}: student_logprobs must be packed [N, K] (with cu_seqlens) or [B, T, K], "
+                         f"got shape {tuple(student_logprobs.shape)}")
+
+    def sets(x, name, dtype=None):
+        if per_token is not None:
+            if x.dim() != 3 or tuple(x.shape[:2]) != per_token:
+                raise ValueError(f"lce_torch.{fn}: {name} has shape {tuple(x.shape)}, student_logprobs "
+                                 f"{tuple(student_logprobs.shape)}")
+            x = x.reshape(per_set)
+        return x if dtype is None else x.to(dtype)
+
+    def tokens(x, name, dtype=None):
+        if x is None:
+            return None
+        if per_token is not None:
+            if tuple(x.shape) != per_token:
+                raise ValueError(f"lce_torch.{fn}: {name} has shape {tuple(x.shape)}, expected {per_token}")
+            x = x.reshape(-1)
+        return x if dtype is None else x.to(dtype)
+
+    loss, _, seq_kl, seq_tokens, m = _ops.distill_loss(
+        sets(student_logprobs, "student_logprobs"), sets(teacher_logprobs, "teacher_logprobs", student_logprobs.dtype),
+        sets(ids, "ids"), tokens(targets, "targets"), cu_seqlens, tokens(weights, "weights", torch.float32),
+        ignore_index=int(ignore_index), reduction=reduction, tail=tail, normaliser=_normaliser(normaliser),
+        group_name=_group_name(group))
+    return DistillResult(loss, m[0], m[1], m[2], m[3].to(torch.int64), m[4], seq_kl, seq_tokens)

@@ -10,7 +10,9 @@ kernels. This module adds what torch.compile and autograd need:
   ``logprobs``, ``lse``, ``entropy`` and ``mean_logit`` with respect to ``hidden``
   and ``weight`` is the ``lce::logprobs_backward`` op (lce's row-term backward:
   dL/dlse serves a z-loss, dL/dmean_logit label smoothing); the two gradient
-  ops raise a clear error if differentiated again.
+  ops raise a clear error if differentiated again. ``lce::target_set_logprobs``
+  (ids [..., K], log-probs [..., K]) likewise, through
+  ``lce::target_set_logprobs_backward``.
 """
 import torch
 
@@ -85,6 +87,29 @@ def _logprobs_forward_backward_fake(hidden, weight, targets, grad_logprobs, grad
     )
 
 
+@torch.library.register_fake("lce::target_set_logprobs")
+def _target_set_logprobs_fake(hidden, weight, ids, *, with_entropy=False, with_mean_logit=False, **options):
+    _check_fake(hidden, weight, ids)
+    torch._check(ids.dim() >= 1, lambda: "lce_torch: ids must be [..., K] (K ids per token), got a scalar")
+    rdt = _result_dtype(hidden.dtype)
+    rows = ids.shape[:-1]
+    logp = ids.new_empty(ids.shape, dtype=rdt)
+    lse = ids.new_empty(rows, dtype=rdt)
+    ent = ids.new_empty(rows if with_entropy else (0,), dtype=rdt)
+    mean = ids.new_empty(rows if with_mean_logit else (0,), dtype=rdt)
+    return logp, lse, ent, mean
+
+
+@torch.library.register_fake("lce::target_set_logprobs_backward")
+def _target_set_logprobs_backward_fake(grad_logprobs, grad_entropy, hidden, weight, ids, lse, grad_lse=None,
+                                       grad_mean_logit=None, **options):
+    _check_fake(hidden, weight, ids)
+    return (
+        torch.empty_like(hidden, memory_format=torch.contiguous_format),
+        torch.empty_like(weight, memory_format=torch.contiguous_format),
+    )
+
+
 # ---- autograd -----------------------------------------------------------------
 
 
@@ -127,6 +152,32 @@ def _logprobs_backward(ctx, grad_logprobs, grad_lse, grad_entropy, grad_mean_log
 torch.library.register_autograd("lce::logprobs", _logprobs_backward, setup_context=_logprobs_setup_context)
 
 
+def _target_set_logprobs_backward(ctx, grad_logprobs, grad_lse, grad_entropy, grad_mean_logit):
+    # As _logprobs_backward, with the target-set backward (grad_logprobs [..., K]).
+    hidden, weight, ids, lse = ctx.saved_tensors
+    if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+        return None, None, None
+    if grad_logprobs is None:
+        grad_logprobs = lse.new_zeros(ids.shape)
+    if not ctx.with_entropy:
+        grad_entropy = None
+    if not ctx.with_mean_logit:
+        grad_mean_logit = None
+    grad_hidden, grad_weight = _ops.target_set_logprobs_backward(
+        grad_logprobs, grad_entropy, hidden, weight, ids, lse, grad_lse, grad_mean_logit, **ctx.options
+    )
+    return (
+        grad_hidden if ctx.needs_input_grad[0] else None,
+        grad_weight if ctx.needs_input_grad[1] else None,
+        None,
+    )
+
+
+# The context is the same as lce::logprobs's (inputs hidden, weight, ids; output lse).
+torch.library.register_autograd("lce::target_set_logprobs", _target_set_logprobs_backward,
+                                setup_context=_logprobs_setup_context)
+
+
 def _no_double_backward(name):
     def setup_context(ctx, inputs, keyword_only_inputs, output):
         pass
@@ -141,3 +192,4 @@ def _no_double_backward(name):
 
 _no_double_backward("lce::logprobs_backward")
 _no_double_backward("lce::logprobs_forward_backward")
+_no_double_backward("lce::target_set_logprobs_backward")

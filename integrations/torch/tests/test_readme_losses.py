@@ -22,5 +22,8 @@ def test_readme_loss_block_runs():
     assert int(scope["sft"].tokens) == 8 and int(scope["dpo"].pairs) == 2 and int(scope["pg"].tokens) == 8
     assert scope["h"].grad is not None and torch.isfinite(scope["h"].grad).all()
     assert scope["w"].grad is not None and torch.isfinite(scope["w"].grad).all()
-    for result in ("sft", "dpo", "pg"):
+    # Every token has its teacher's 8 ids: all 12 count; the top-8 of 1000 hold part of the mass.
+    assert int(scope["kd"].tokens) == 12 and scope["student_logp"].shape == (12, 8)
+    assert 0 < float(scope["kd"].teacher_mass) < 12 and float(scope["kd"].loss) > 0
+    for result in ("sft", "dpo", "pg", "kd"):
         assert torch.isfinite(scope[result].loss), result
