@@ -1,11 +1,13 @@
 #pragma once
-// The CPU backend: BLAS GEMMs per chunk and vectorised row passes spread
-// over a small thread pool.
+// The CPU backend: GEMMs per chunk from a GEMM provider (gemm_provider.hpp;
+// lce::cblas_gemm, the BLAS lce links, by default) and vectorised row passes
+// spread over a small thread pool.
 //
 //   lce::host{}           one thread per CPU of the process's affinity mask
 //                         (taskset, cpusets, an MPI rank's binding)
 //   lce::host{threads}    that many, for the GEMM tiles and the row passes
 //                         (the BLAS runs one thread per GEMM tile)
+//   lce::basic_host<P>{provider, threads}   the GEMMs from another provider
 //
 // Results are bitwise the same whatever the thread count: rows are
 // independent and each is reduced in a fixed order; GEMM tiles and the
@@ -17,13 +19,11 @@
 #include <lce/core/error.hpp>
 #include <lce/core/row_math.hpp>
 #include <lce/core/views.hpp>
-#include <lce/host/detail/blas.hpp>
+#include <lce/host/cblas_gemm.hpp>
 #include <lce/host/detail/convert.hpp>
 #include <lce/host/detail/row_passes.hpp>
 #include <lce/host/detail/thread_pool.hpp>
-#if LCE_HOST_BF16_GEMM_ONEDNN
-#include <lce/host/detail/onednn_gemm.hpp>
-#endif
+#include <lce/host/gemm_provider.hpp>
 
 #include <algorithm>
 #include <atomic>
@@ -34,21 +34,45 @@
 #include <new>
 #include <thread>
 #include <type_traits>
+#include <utility>
 
 LCE_BEGIN_NAMESPACE
 
-class host {
+namespace detail {
+// The provider's call_scope, or nothing.
+template <class P>
+struct provider_call_scope {
+  struct type {};
+};
+template <class P>
+  requires requires { typename P::call_scope; }
+struct provider_call_scope<P> {
+  using type = typename P::call_scope;
+};
+}  // namespace detail
+
+template <gemm_provider Gemm>
+class basic_host {
  public:
   using memory_space = host_memory;
+  using gemm_type = Gemm;
 
   // threads <= 0: one per CPU this process may run on (its affinity mask).
-  explicit host(int threads = 0)
-      : pool_(std::make_unique<detail::thread_pool>(threads > 0 ? threads : detail::available_cpus())) {}
+  explicit basic_host(int threads = 0)
+    requires std::default_initializable<Gemm>
+      : basic_host(Gemm{}, threads) {}
+
+  explicit basic_host(Gemm gemm, int threads = 0)
+      : gemm_(std::move(gemm)),
+        pool_(std::make_unique<detail::thread_pool>(threads > 0 ? threads : detail::available_cpus())) {}
 
   int threads() const { return pool_->size(); }
 
-  // ---- per-call BLAS setting ------------------------------------------------
-  // While a call_scope lives, the BLAS runs one thread per call (lce's GEMM
+  const Gemm& gemm() const { return gemm_; }
+
+  // ---- per-call provider setting ---------------------------------------------
+  // While a call_scope lives, the provider's call_scope lives. For
+  // lce::cblas_gemm that makes the BLAS run one thread per call (lce's GEMM
   // tiles need that for results independent of thread counts). OpenBLAS has
   // no per-thread setting (its openblas_set_num_threads_local, 0.3.27 on,
   // sets the process-wide count too), so this is the process-wide setting,
@@ -62,7 +86,7 @@ class host {
     call_scope& operator=(const call_scope&) = delete;
 
    private:
-    detail::single_threaded_blas blas_;
+    [[no_unique_address]] typename detail::provider_call_scope<Gemm>::type provider_;
   };
 
   [[nodiscard]] call_scope begin_call() { return {}; }
@@ -79,13 +103,15 @@ class host {
   void deallocate(void* pointer, std::size_t) { ::operator delete(pointer, std::align_val_t{alignment}); }
 
   // ---- GEMMs ----------------------------------------------------------------
-  // With LCE_BF16_GEMM=onednn (LCE_BF16_GEMM_ONEDNN), a bfloat16 weight's logits
-  // and dX GEMMs run as bf16 x bf16 -> fp32 GEMMs on the CPU's bf16 instructions
-  // (oneDNN; onednn_logits, onednn_grad_hidden) when the CPU has them, in the
-  // same scratch and still tiled by the shapes alone; otherwise as below.
+  // With a provider's bf16 GEMM (lce::cblas_gemm: LCE_BF16_GEMM=onednn), a
+  // bfloat16 weight's logits and dX GEMMs run as bf16 x bf16 -> fp32 GEMMs
+  // (bf16_logits, bf16_grad_hidden) when bf16_gemm_available(), in the same
+  // scratch and still tiled by the shapes alone; otherwise as below.
   // Each GEMM is split into tiles that depend on the shapes only and run on
-  // this backend's threads, each tile one single-threaded BLAS call: the
-  // result is the same whatever the thread counts (lce's or the BLAS's). A
+  // this backend's threads, each tile one single-threaded provider call: the
+  // result is the same whatever the thread counts (lce's or the BLAS's). (A
+  // provider that parallelises itself gets one call per vocabulary tile from
+  // the calling thread instead: gemm_parallelises_itself.) A
   // 2-byte weight is widened to fp32 one vocabulary tile at a time (CBLAS has
   // no 2-byte GEMM), by all threads into one of two shared slots, which that
   // tile's GEMM tiles then read from cache while the next tile is widened into
@@ -108,27 +134,27 @@ class host {
   // output tiles of each widened vocabulary tile, all in one pass).
   template <class A, class T>
   void logits(matrix_view<const A> x, matrix_view<const T> w, A alpha, matrix_view<A> out, void* weight_block) {
-    detail::single_threaded_blas scope;
+    [[maybe_unused]] const provider_scope scope;
     if constexpr (!half_precision<T>) {
       const std::int64_t tile = vocab_tile_rows<T>(w.cols, w.rows);
-      for_tiles(ceil_div(w.rows, tile), [&](std::int64_t t) {
+      for_gemm_tiles(ceil_div(w.rows, tile), [&](std::int64_t t) {
         const std::int64_t first = t * tile, rows = std::min(tile, w.rows - first);
-        detail::gemm(detail::transpose::no, detail::transpose::yes, x.rows, rows, x.cols, alpha, x.data, x.ld,
+        gemm_.gemm(transpose::no, transpose::yes, x.rows, rows, x.cols, alpha, x.data, x.ld,
                      w.row(first), w.ld, A(0), out.data + first, out.ld);
       });
     } else {
       if (x.rows == 0) return;
-      if constexpr (onednn_weight<A, T>) {
-        if (onednn_logits(x, w, alpha, out, weight_block)) return;
+      if constexpr (bf16_weight<A, T>) {
+        if (bf16_logits(x, w, alpha, out, weight_block)) return;
       }
       // The same tiles for every vocabulary tile (the last, shorter one clips
       // them); half as many as for dX: two vocabulary tiles' are in flight.
-      const output_tiling tiles(x.rows, vocab_tile_rows<T>(w.cols, w.rows), output_tiling::default_target / 2);
+      const output_tiling tiles(x.rows, vocab_tile_rows<T>(w.cols, w.rows), std::max<std::int64_t>(1, tile_target / 2));
       for_widened_tiles(w, weight_block, tiles.count(), /*chained=*/false,
                         [&](matrix_view<const A> block, std::int64_t v0, std::int64_t t) {
                           const auto [r0, rows, c0, cols] = tiles.tile(t);
                           if (c0 >= block.rows) return;
-                          detail::gemm(detail::transpose::no, detail::transpose::yes, rows,
+                          gemm_.gemm(transpose::no, transpose::yes, rows,
                                        std::min(cols, block.rows - c0), x.cols, alpha, x.row(r0), x.ld, block.row(c0),
                                        block.ld, A(0), out.row(r0) + v0 + c0, out.ld);
                         });
@@ -141,22 +167,22 @@ class host {
   template <class A, class T>
   void grad_hidden(matrix_view<const A> dz, matrix_view<const T> w, A alpha, matrix_view<A> dx, void* weight_block) {
     if (dx.rows == 0 || dx.cols == 0) return;
-    detail::single_threaded_blas scope;
-    const output_tiling tiles(dx.rows, dx.cols);
+    [[maybe_unused]] const provider_scope scope;
+    const output_tiling tiles(dx.rows, dx.cols, tile_target);
     if constexpr (!half_precision<T>) {
-      for_tiles(tiles.count(), [&](std::int64_t t) {
+      for_gemm_tiles(tiles.count(), [&](std::int64_t t) {
         const auto [r0, rows, c0, cols] = tiles.tile(t);
-        detail::gemm(detail::transpose::no, detail::transpose::no, rows, cols, w.rows, alpha, dz.row(r0), dz.ld,
+        gemm_.gemm(transpose::no, transpose::no, rows, cols, w.rows, alpha, dz.row(r0), dz.ld,
                      w.data + c0, w.ld, A(0), dx.row(r0) + c0, dx.ld);
       });
     } else {
-      if constexpr (onednn_weight<A, T>) {
-        if (onednn_grad_hidden(dz, w, alpha, dx, tiles, weight_block)) return;
+      if constexpr (bf16_weight<A, T>) {
+        if (bf16_grad_hidden(dz, w, alpha, dx, tiles, weight_block)) return;
       }
       for_widened_tiles(w, weight_block, tiles.count(), /*chained=*/true,
                         [&](matrix_view<const A> block, std::int64_t v0, std::int64_t t) {
                           const auto [r0, rows, c0, cols] = tiles.tile(t);
-                          detail::gemm(detail::transpose::no, detail::transpose::no, rows, cols, block.rows, alpha,
+                          gemm_.gemm(transpose::no, transpose::no, rows, cols, block.rows, alpha,
                                        dz.row(r0) + v0, dz.ld, block.data + c0, block.ld, v0 == 0 ? A(0) : A(1),
                                        dx.row(r0) + c0, dx.ld);
                         });
@@ -167,10 +193,10 @@ class host {
   template <class A>
   void grad_weight(matrix_view<const A> dz, matrix_view<const A> x, A alpha, matrix_view<A> dw) {
     const std::int64_t tile = vocab_tile_rows<A>(x.cols, dz.cols);
-    detail::single_threaded_blas scope;
-    for_tiles(ceil_div(dz.cols, tile), [&](std::int64_t t) {
+    [[maybe_unused]] const provider_scope scope;
+    for_gemm_tiles(ceil_div(dz.cols, tile), [&](std::int64_t t) {
       const std::int64_t first = t * tile, rows = std::min(tile, dz.cols - first);
-      detail::gemm(detail::transpose::yes, detail::transpose::no, rows, x.cols, dz.rows, alpha, dz.data + first, dz.ld,
+      gemm_.gemm(transpose::yes, transpose::no, rows, x.cols, dz.rows, alpha, dz.data + first, dz.ld,
                    x.data, x.ld, A(1), dw.row(first), dw.ld);
     });
   }
@@ -374,6 +400,9 @@ class host {
   }
 
  private:
+  using provider_scope = typename detail::provider_call_scope<Gemm>::type;
+  static constexpr bool provider_parallel = gemm_parallelises_itself<Gemm>;
+
   static constexpr std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return a / b + (a % b != 0); }
 
   // Vocabulary rows per GEMM tile, from the shapes alone: about 16 tiles to
@@ -441,23 +470,18 @@ class host {
   };
 
   template <class A, class T>
-  static constexpr bool onednn_weight =
-#if LCE_HOST_BF16_GEMM_ONEDNN
-      std::is_same_v<A, float> && std::is_same_v<std::remove_cv_t<T>, bfloat16>;
-#else
-      false;
-#endif
+  static constexpr bool bf16_weight =
+      bf16_gemm_provider<Gemm> && std::is_same_v<A, float> && std::is_same_v<std::remove_cv_t<T>, bfloat16>;
 
-#if LCE_HOST_BF16_GEMM_ONEDNN
-  // Logits from a bf16 weight on bf16 instructions: the chunk's hidden rows (fp32,
+  // Logits from a bf16 weight through the provider's bf16 GEMM: the chunk's hidden rows (fp32,
   // widened from bf16 by the engine) are rounded back to bf16 in blocks of rows
   // that fit the weight scratch, then each vocabulary tile of each block is one
-  // oneDNN GEMM. Returns false (nothing to keep: the caller recomputes `out`) when
+  // bf16 GEMM. Returns false (nothing to keep: the caller recomputes `out`) when
   // the CPU lacks bf16 GEMMs, a row is too long for the scratch, or a hidden value
   // is not a bf16 value (so rounding would change it).
-  bool onednn_logits(matrix_view<const float> x, matrix_view<const bfloat16> w, float alpha, matrix_view<float> out,
-                     void* scratch) {
-    if (x.cols == 0 || w.rows == 0 || !detail::onednn_bf16_gemm_available()) return false;
+  bool bf16_logits(matrix_view<const float> x, matrix_view<const bfloat16> w, float alpha, matrix_view<float> out,
+                   void* scratch) {
+    if (x.cols == 0 || w.rows == 0 || !gemm_.bf16_gemm_available()) return false;
     const std::int64_t capacity = 2 * weight_block_elements<bfloat16>(x.cols, w.rows);  // bf16 elements
     const std::int64_t block_rows = std::min(x.rows, capacity / std::max<std::int64_t>(x.cols, 1));
     if (block_rows < 1) return false;
@@ -470,24 +494,24 @@ class host {
         if (!detail::round_to_bf16_exact(x.row(first + r), xb + r * x.cols, x.cols)) inexact.store(true);
       });
       if (inexact.load()) return false;
-      for_tiles(tiles, [&](std::int64_t t) {
+      for_gemm_tiles(tiles, [&](std::int64_t t) {
         const std::int64_t v0 = t * tile, cols = std::min(tile, w.rows - v0);
-        detail::onednn_bf16_gemm(rows, cols, x.cols, alpha, xb, x.cols, 1, w.row(v0), 1, w.ld, false,
-                                 out.row(first) + v0, out.ld);
+        gemm_.bf16_gemm(transpose::no, transpose::yes, rows, cols, x.cols, alpha, xb, x.cols, w.row(v0), w.ld, 0.0f,
+                        out.row(first) + v0, out.ld);
       });
     }
     return true;
   }
 
-  // dX = alpha dz w from a bf16 weight on bf16 instructions. dz (fp32) is kept to
+  // dX = alpha dz w from a bf16 weight through the provider's bf16 GEMM. dz (fp32) is kept to
   // 16 significant bits as two bf16 parts, hi = bf16(dz) and lo = bf16(dz - hi),
   // staged one tile of vocabulary columns at a time into the two slots of the
   // weight scratch (for_staged_tiles); each output tile of dX adds hi w + lo w
   // tile after tile, in order. Returns false (dx untouched) when the CPU lacks
   // bf16 GEMMs or the scratch holds too few columns of dz.
-  bool onednn_grad_hidden(matrix_view<const float> dz, matrix_view<const bfloat16> w, float alpha,
-                          matrix_view<float> dx, const output_tiling& tiles, void* scratch) {
-    if (w.rows == 0 || dz.rows == 0 || !detail::onednn_bf16_gemm_available()) return false;
+  bool bf16_grad_hidden(matrix_view<const float> dz, matrix_view<const bfloat16> w, float alpha,
+                        matrix_view<float> dx, const output_tiling& tiles, void* scratch) {
+    if (w.rows == 0 || dz.rows == 0 || !gemm_.bf16_gemm_available()) return false;
     const std::int64_t capacity = 2 * weight_block_elements<bfloat16>(w.cols, w.rows);  // bf16 elements
     // Two slots, each hi and lo of [dz.rows, tile] (whole cache lines of columns).
     std::int64_t tile = std::min(w.rows, capacity / (4 * std::max<std::int64_t>(dz.rows, 1)));
@@ -508,14 +532,13 @@ class host {
           const auto [r0, rows, c0, cols] = tiles.tile(j);
           const std::int64_t v0 = k * tile, depth = std::min(tile, w.rows - v0);
           const bfloat16* const hi = base + k % 2 * slot;
-          detail::onednn_bf16_gemm(rows, cols, depth, alpha, hi + r0 * tile, tile, 1, w.row(v0) + c0, w.ld, 1, k > 0,
-                                   dx.row(r0) + c0, dx.ld);
-          detail::onednn_bf16_gemm(rows, cols, depth, alpha, hi + (dz.rows + r0) * tile, tile, 1, w.row(v0) + c0, w.ld,
-                                   1, true, dx.row(r0) + c0, dx.ld);
+          gemm_.bf16_gemm(transpose::no, transpose::no, rows, cols, depth, alpha, hi + r0 * tile, tile,
+                          w.row(v0) + c0, w.ld, k > 0 ? 1.0f : 0.0f, dx.row(r0) + c0, dx.ld);
+          gemm_.bf16_gemm(transpose::no, transpose::no, rows, cols, depth, alpha, hi + (dz.rows + r0) * tile, tile,
+                          w.row(v0) + c0, w.ld, 1.0f, dx.row(r0) + c0, dx.ld);
         });
     return true;
   }
-#endif
 
   // Runs gemm(block, v0, j) for every tile of vocabulary rows [v0, v0 +
   // block.rows) of a 2-byte weight and every output tile j in [0, jobs), in
@@ -523,8 +546,8 @@ class host {
   // pieces) into slot k % 2 of `scratch` (weight_block_elements<T>) while the
   // GEMMs of tile k - 1 run, so no thread waits at a barrier between tiles
   // (for_staged_tiles).
-  template <class T, class Gemm>
-  void for_widened_tiles(matrix_view<const T> w, void* scratch, std::int64_t jobs, bool chained, Gemm&& gemm) {
+  template <class T, class Multiply>
+  void for_widened_tiles(matrix_view<const T> w, void* scratch, std::int64_t jobs, bool chained, Multiply&& gemm) {
     const std::int64_t tile = vocab_tile_rows<T>(w.cols, w.rows), tiles = ceil_div(w.rows, tile);
     const std::int64_t piece = std::max<std::int64_t>(1, (std::int64_t{1} << 16) / std::max<std::int64_t>(w.cols, 1));
     float* const slots[2] = {static_cast<float*>(scratch), static_cast<float*>(scratch) + tile * w.cols};
@@ -550,10 +573,27 @@ class host {
   //   Wk (k >= 2)  the GEMMs of tile k - 2, which read the slot it rewrites;
   //   Gk, job j    Wk, and with `chained` job j of tile k - 1, which it adds to
   //                (so each output tile sums over the vocabulary tiles in order).
-  template <class Stage, class Gemm>
+  // A provider that parallelises itself: tile after tile, its pieces staged by
+  // the pool, then its GEMMs from the calling thread, in order.
+  template <class Stage, class Multiply>
   void for_staged_tiles(std::int64_t tiles, std::int64_t pieces, std::int64_t jobs, bool chained, Stage&& stage,
-                        Gemm&& gemm) {
+                        Multiply&& gemm) {
     if (jobs <= 0 || tiles <= 0) return;
+    if constexpr (provider_parallel) {
+      for (std::int64_t k = 0; k < tiles; ++k) {
+        pool_->parallel_for(pieces, 1, [&](std::int64_t begin, std::int64_t end, int) {
+          for (std::int64_t p = begin; p < end; ++p) stage(k, p);
+        });
+        for (std::int64_t j = 0; j < jobs; ++j) gemm(k, j);
+      }
+    } else {
+      for_staged_tiles_concurrently(tiles, pieces, jobs, chained, stage, gemm);
+    }
+  }
+
+  template <class Stage, class Multiply>
+  void for_staged_tiles_concurrently(std::int64_t tiles, std::int64_t pieces, std::int64_t jobs, bool chained,
+                                     Stage& stage, Multiply& gemm) {
 
     // Progress, counted up (never reset): pieces staged and GEMMs done into
     // each slot over all its tiles so far, and per job the tiles it has done.
@@ -607,11 +647,17 @@ class host {
     });
   }
 
+  // GEMM tiles on the pool, or in order on the calling thread for a provider
+  // that parallelises itself.
   template <class Body>
-  void for_tiles(std::int64_t tiles, Body&& body) {
-    pool_->parallel_for(tiles, 1, [&](std::int64_t begin, std::int64_t end, int) {
-      for (std::int64_t t = begin; t < end; ++t) body(t);
-    });
+  void for_gemm_tiles(std::int64_t tiles, Body&& body) {
+    if constexpr (provider_parallel) {
+      for (std::int64_t t = 0; t < tiles; ++t) body(t);
+    } else {
+      pool_->parallel_for(tiles, 1, [&](std::int64_t begin, std::int64_t end, int) {
+        for (std::int64_t t = begin; t < end; ++t) body(t);
+      });
+    }
   }
 
   // Rows are handed out in grains of about 2^16 elements: small enough to
@@ -636,8 +682,16 @@ class host {
     }
   }
 
+  // Output tiles per GEMM: enough for every thread, or one for a provider
+  // that parallelises itself.
+  static constexpr std::int64_t tile_target = provider_parallel ? 1 : output_tiling::default_target;
+
+  Gemm gemm_;
   std::unique_ptr<detail::thread_pool> pool_;
 };
+
+// The CPU backend with the BLAS lce links.
+using host = basic_host<cblas_gemm>;
 
 static_assert(backend<host>);
 

@@ -4,6 +4,7 @@
 
 #include <lce/core/config.hpp>
 #include <lce/core/error.hpp>
+#include <lce/host/gemm_provider.hpp>
 
 #include <cblas.h>
 
@@ -14,7 +15,7 @@
 LCE_BEGIN_NAMESPACE
 namespace detail {
 
-enum class transpose : bool { no = false, yes = true };
+using lce::transpose;
 
 // A threaded BLAS GEMM gives different bits for different thread counts
 // (OpenBLAS splits tiles differently). lce therefore splits every GEMM into

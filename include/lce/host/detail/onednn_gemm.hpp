@@ -40,34 +40,11 @@ inline bool onednn_bf16_gemm_available() {
   return available;
 }
 
-// to[i] = bf16(from[i]); false when some from[i] is not a bf16 value (low 16 bits set).
-inline bool round_to_bf16_exact(const float* from, bfloat16* to, std::int64_t n) {
-  std::uint32_t low = 0;
-  for (std::int64_t i = 0; i < n; ++i) {
-    std::uint32_t bits;
-    std::memcpy(&bits, from + i, sizeof bits);
-    low |= bits & 0xffffu;
-    to[i] = bfloat16::from_bits(static_cast<std::uint16_t>(bits >> 16));
-  }
-  return low == 0;
-}
-
-// hi[i] + lo[i] = from[i] to 16 significant bits: hi = bf16(from), lo = bf16(from - hi)
-// (lo = 0 where hi is not finite).
-inline void split_to_bf16(const float* from, bfloat16* hi, bfloat16* lo, std::int64_t n) {
-  for (std::int64_t i = 0; i < n; ++i) {
-    const bfloat16 h(from[i]);
-    const float high = static_cast<float>(h), rest = from[i] - high;
-    hi[i] = h;
-    lo[i] = bfloat16(high - high == 0.0f ? rest : 0.0f);
-  }
-}
-
-// C[m, n] = alpha A[m, k] B[k, n] (+ C when accumulate), A and B bf16 given by their
+// C[m, n] = alpha A[m, k] B[k, n] + beta C (beta = 0 overwrites C), A and B bf16 given by their
 // row and column strides (so either may be a transpose), C fp32 row-major with ldc.
 inline void onednn_bf16_gemm(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, const bfloat16* a,
                              std::int64_t a_row, std::int64_t a_col, const bfloat16* b, std::int64_t b_row,
-                             std::int64_t b_col, bool accumulate, float* c, std::int64_t ldc) {
+                             std::int64_t b_col, float beta, float* c, std::int64_t ldc) {
   if (m == 0 || n == 0) return;
   struct one_thread {
     int saved = omp_get_max_threads();
@@ -79,16 +56,17 @@ inline void onednn_bf16_gemm(std::int64_t m, std::int64_t n, std::int64_t k, flo
     }
   } openmp;
   using key_type = std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
-                              std::int64_t, std::int64_t, std::uint32_t, bool>;
+                              std::int64_t, std::int64_t, std::uint32_t, std::uint32_t>;
   struct cache_type {
     dnnl::engine engine{dnnl::engine::kind::cpu, 0};
     dnnl::stream stream{engine};
     std::map<key_type, std::tuple<dnnl::matmul, dnnl::memory::desc, dnnl::memory::desc, dnnl::memory::desc>> entries;
   };
   thread_local cache_type cache;  // primitives are not shared between threads
-  std::uint32_t alpha_bits;
+  std::uint32_t alpha_bits, beta_bits;
   std::memcpy(&alpha_bits, &alpha, sizeof alpha_bits);
-  const key_type key{m, n, k, a_row, a_col, b_row, b_col, ldc, alpha_bits, accumulate};
+  std::memcpy(&beta_bits, &beta, sizeof beta_bits);
+  const key_type key{m, n, k, a_row, a_col, b_row, b_col, ldc, alpha_bits, beta_bits};
   auto found = cache.entries.find(key);
   if (found == cache.entries.end()) {
     // A few shapes per operator and call (full and last tiles, chunks): a
@@ -101,9 +79,9 @@ inline void onednn_bf16_gemm(std::int64_t m, std::int64_t n, std::int64_t k, flo
         cd({m, n}, dt::f32, {ldc, 1});
     dnnl::primitive_attr attr;
     if (alpha != 1.0f) attr.set_output_scales(0, {alpha});
-    if (accumulate) {
+    if (beta != 0.0f) {
       dnnl::post_ops ops;
-      ops.append_sum(1.0f);
+      ops.append_sum(beta);
       attr.set_post_ops(ops);
     }
     const dnnl::matmul::primitive_desc pd(dnnl::matmul::desc(ad, bd, cd), attr, cache.engine);

@@ -1,0 +1,84 @@
+#pragma once
+// What the host backend needs from a GEMM library, so that a user can plug in
+// MKL, BLIS, a JIT or their own kernels: lce::basic_host<Provider>.
+//
+// A provider is a small copyable object with, for A = float and A = double,
+//
+//   void gemm(lce::transpose ta, lce::transpose tb, std::int64_t m, std::int64_t n, std::int64_t k,
+//             A alpha, const A* a, std::int64_t lda, const A* b, std::int64_t ldb,
+//             A beta, A* c, std::int64_t ldc) const;
+//
+// computing the row-major C[m, n] = alpha op(A)[m, k] op(B)[k, n] + beta C
+// (CBLAS's sgemm / dgemm with CblasRowMajor). beta = 0 overwrites C, NaN or
+// not. m, n or k may be 0 (then C = beta C, or nothing for an empty C).
+//
+// Threading. By default lce cuts every GEMM into tiles fixed by the shapes and
+// calls the provider once per tile, concurrently from its own threads, on one
+// provider object: gemm must be thread-safe and should run on the calling
+// thread only (a provider that starts threads of its own inside each call
+// oversubscribes the CPU). The results then do not depend on thread counts.
+// A provider that parallelises each call itself declares
+//
+//   static constexpr bool parallelises_itself = true;
+//
+// and lce calls it from one thread, once per vocabulary tile (a few large
+// GEMMs per chunk) instead of once per small tile; whether its results depend
+// on its thread count is then up to the provider.
+//
+// Optional: a bf16 x bf16 -> fp32 GEMM (products of bf16 values are exact in
+// fp32; the sums must be accumulated in fp32), used for bfloat16 weights
+// instead of widening the weight to fp32, when bf16_gemm_available() says this
+// CPU runs it well (the host backend asks once per GEMM):
+//
+//   bool bf16_gemm_available() const;
+//   void bf16_gemm(lce::transpose ta, lce::transpose tb, std::int64_t m, std::int64_t n, std::int64_t k,
+//                  float alpha, const lce::bfloat16* a, std::int64_t lda,
+//                  const lce::bfloat16* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc) const;
+//
+// lce calls it with beta = 0 or 1 only. The hidden rows reach it as bf16 only
+// when they are bf16 values; dz (the logits' gradient, fp32) is passed as two
+// bf16 parts hi + lo (16 significant bits), both multiplied and summed.
+//
+// Optional: a call_scope type (default-constructible, RAII) that lce holds for
+// each operator call and around each GEMM, e.g. to switch a library to one
+// thread per call (lce::cblas_gemm does, for OpenBLAS).
+
+#include <lce/core/config.hpp>
+#include <lce/core/dtypes.hpp>
+
+#include <concepts>
+#include <cstdint>
+
+LCE_BEGIN_NAMESPACE
+
+enum class transpose : bool { no = false, yes = true };
+
+template <class P>
+concept gemm_provider =
+    std::copy_constructible<P> &&
+    requires(const P& provider, transpose op, std::int64_t extent, const float* fa, float* fc, float fs,
+             const double* da, double* dc, double ds) {
+      provider.gemm(op, op, extent, extent, extent, fs, fa, extent, fa, extent, fs, fc, extent);
+      provider.gemm(op, op, extent, extent, extent, ds, da, extent, da, extent, ds, dc, extent);
+    };
+
+// A provider with the optional bf16 x bf16 -> fp32 GEMM.
+template <class P>
+concept bf16_gemm_provider =
+    gemm_provider<P> &&
+    requires(const P& provider, transpose op, std::int64_t extent, const bfloat16* a, float* c, float s) {
+      { provider.bf16_gemm_available() } -> std::convertible_to<bool>;
+      provider.bf16_gemm(op, op, extent, extent, extent, s, a, extent, a, extent, s, c, extent);
+    };
+
+// Whether P parallelises each call itself (see above); false unless it says so.
+template <class P>
+inline constexpr bool gemm_parallelises_itself = [] {
+  if constexpr (requires { P::parallelises_itself; }) {
+    return static_cast<bool>(P::parallelises_itself);
+  } else {
+    return false;
+  }
+}();
+
+LCE_END_NAMESPACE
