@@ -584,6 +584,7 @@ class basic_host {
         pool_->parallel_for(pieces, 1, [&](std::int64_t begin, std::int64_t end, int) {
           for (std::int64_t p = begin; p < end; ++p) stage(k, p);
         });
+        pool_->rest();
         for (std::int64_t j = 0; j < jobs; ++j) gemm(k, j);
       }
     } else {
@@ -652,6 +653,7 @@ class basic_host {
   template <class Body>
   void for_gemm_tiles(std::int64_t tiles, Body&& body) {
     if constexpr (provider_parallel) {
+      pool_->rest();  // the provider's threads take the cores
       for (std::int64_t t = 0; t < tiles; ++t) body(t);
     } else {
       pool_->parallel_for(tiles, 1, [&](std::int64_t begin, std::int64_t end, int) {

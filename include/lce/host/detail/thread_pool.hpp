@@ -106,6 +106,11 @@ class thread_pool {
 
   int size() const { return size_; }
 
+  // The workers sleep now instead of spinning for the next job: the caller is
+  // about to hand the cores to someone else's threads (a GEMM provider that
+  // parallelises itself) for longer than a spin is worth.
+  void rest() { resting_.store(true, std::memory_order_relaxed); }
+
   // Calls body(begin, end, part) on the grains [k * grain, (k + 1) * grain)
   // of [0, count), each on whichever thread takes it; part in [0, size())
   // names that thread (for per-thread scratch). Returns when all are done;
@@ -122,6 +127,7 @@ class thread_pool {
       std::lock_guard lock(mutex_);
       job_ = {&invoke<std::remove_reference_t<Body>>, static_cast<void*>(&body), count, grain};
       next_grain_.store(0, std::memory_order_relaxed);
+      resting_.store(false, std::memory_order_relaxed);
       failed_.store(false, std::memory_order_relaxed);
       error_ = nullptr;
       pending_.store(size_ - 1, std::memory_order_relaxed);
@@ -169,7 +175,7 @@ class thread_pool {
     std::uint64_t seen = 0;
     for (;;) {
       const auto new_job = [&] { return generation_.load(std::memory_order_acquire) != seen; };
-      if (!spin_until(new_job)) {
+      if (!spin_until([&] { return new_job() || resting_.load(std::memory_order_relaxed); }) || !new_job()) {
         std::unique_lock lock(mutex_);
         wake_.wait(lock, new_job);
       }
@@ -193,6 +199,7 @@ class thread_pool {
   std::atomic<std::int64_t> next_grain_{0};
   std::atomic<int> pending_{0};
   std::atomic<std::uint64_t> generation_{0};
+  std::atomic<bool> resting_{false};  // rest(): sleep until the next job rather than spin
   std::atomic<bool> failed_{false};  // a grain of the current job threw
   std::exception_ptr error_;         // the first exception of the current job
   bool stopping_ = false;  // written under mutex_ before the last generation bump
