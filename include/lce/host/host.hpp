@@ -231,14 +231,16 @@ class basic_host {
   template <class O, class A>
   void column_sums(matrix_view<const O> dz, A alpha, vector_view<A> out) {
     constexpr std::int64_t tile = 512;
-    for_tiles(ceil_div(dz.cols, tile), [&](std::int64_t t) {
-      const std::int64_t first = t * tile, cols = std::min(tile, dz.cols - first);
-      A sums[tile] = {};
-      for (std::int64_t r = 0; r < dz.rows; ++r) {
-        const O* row = dz.row(r) + first;
-        for (std::int64_t j = 0; j < cols; ++j) sums[j] += static_cast<A>(row[j]);
+    pool_->parallel_for(ceil_div(dz.cols, tile), 1, [&](std::int64_t begin, std::int64_t end, int) {
+      for (std::int64_t t = begin; t < end; ++t) {
+        const std::int64_t first = t * tile, cols = std::min(tile, dz.cols - first);
+        A sums[tile] = {};
+        for (std::int64_t r = 0; r < dz.rows; ++r) {
+          const O* row = dz.row(r) + first;
+          for (std::int64_t j = 0; j < cols; ++j) sums[j] += static_cast<A>(row[j]);
+        }
+        for (std::int64_t j = 0; j < cols; ++j) out.data[first + j] += alpha * sums[j];
       }
-      for (std::int64_t j = 0; j < cols; ++j) out.data[first + j] += alpha * sums[j];
     });
   }
 
