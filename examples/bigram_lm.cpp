@@ -61,6 +61,7 @@ struct settings {
   double zipf = 1.2;
   i64 tokens = 4096, seq_len = 64, steps = 120;
   double lr_head = 2.0, lr_embed = 0.5;
+  double lr_final = 1.0;  // the SFT learning rates fall linearly to this fraction of themselves by the last step
   i64 grpo_steps = 10, prompts = 32, group = 8, gen_len = 8;
   double grpo_lr = 2.0;
   unsigned seed = 1;
@@ -298,7 +299,7 @@ void panel(std::string& out, double x0, double y0, double w, double h, const std
 int usage(const char* argv0) {
   std::fprintf(stderr,
                "usage: %s [--vocab V] [--hidden H] [--classes K] [--zipf s] [--tokens N] [--seq-len L] [--steps S]\n"
-               "          [--lr-head a] [--lr-embed b] [--grpo-steps G] [--prompts P] [--group g] [--gen-len l]\n"
+               "          [--lr-head a] [--lr-embed b] [--lr-final f] [--grpo-steps G] [--prompts P] [--group g] [--gen-len l]\n"
                "          [--grpo-lr a] [--seed x] [--svg file] [--max-gap nats] [--match-tol t]\n"
                "          [--min-reward-rise r] [--print-every k] [--reference-steps R]\n",
                argv0);
@@ -323,6 +324,7 @@ int main(int argc, char** argv) {
     else if (a == "--steps") cfg.steps = std::atoll(v);
     else if (a == "--lr-head") cfg.lr_head = std::atof(v);
     else if (a == "--lr-embed") cfg.lr_embed = std::atof(v);
+    else if (a == "--lr-final") cfg.lr_final = std::atof(v);
     else if (a == "--grpo-steps") cfg.grpo_steps = std::atoll(v);
     else if (a == "--prompts") cfg.prompts = std::atoll(v);
     else if (a == "--group") cfg.group = std::atoll(v);
@@ -358,6 +360,7 @@ int main(int argc, char** argv) {
               "(%lld sequences of %lld), %lld SGD steps (lr head %.3g, embedding rows %.3g)\n",
               (long long)V, (long long)H, (long long)cfg.classes, cfg.zipf, (long long)N, (long long)n_seq,
               (long long)L, (long long)cfg.steps, cfg.lr_head, cfg.lr_embed);
+  if (cfg.lr_final != 1.0) std::printf("learning rates fall linearly to %.3g of themselves by the last SFT step\n", cfg.lr_final);
   std::printf("true conditional entropy H(next | prev) = %.4f nats (the Zipf(%.2f) entropy over %lld ranks; "
               "log V = %.4f)\n",
               src.entropy, cfg.zipf, (long long)V, std::log(double(V)));
@@ -393,7 +396,10 @@ int main(int argc, char** argv) {
                         lce::matrix_view<const float>{lce_model.W.data(), V, H}, cview(b.targets), cview(grad),
                         view(logp), lce::matrix_view<float>{dX.data(), N, H}, lce::matrix_view<float>{dW.data(), V, H});
     const double l_lce = lce::sft_loss(thrust::host, batch, cview(logp), norm, lce::sft_outputs<float>{}).loss;
-    sgd_step(lce_model, b.tokens, b.targets, dX, dW, norm, cfg.lr_head, cfg.lr_embed, row_grad, row_count);
+    // Constant-rate SGD stalls above the entropy on a long Zipf tail: --lr-final < 1 anneals it.
+    const double anneal = cfg.steps > 1 ? 1.0 - (1.0 - cfg.lr_final) * double(step) / double(cfg.steps - 1) : 1.0;
+    sgd_step(lce_model, b.tokens, b.targets, dX, dW, norm, cfg.lr_head * anneal, cfg.lr_embed * anneal, row_grad,
+             row_count);
     auto t1 = std::chrono::steady_clock::now();
 
     // the materialised reference, on its own copy of the model
@@ -401,7 +407,8 @@ int main(int argc, char** argv) {
     double l_ref = std::nan("");
     if (with_ref) {
       l_ref = ref.step(ref_model, b.tokens, b.targets, dX_ref, dW_ref);
-      sgd_step(ref_model, b.tokens, b.targets, dX_ref, dW_ref, norm, cfg.lr_head, cfg.lr_embed, row_grad, row_count);
+      sgd_step(ref_model, b.tokens, b.targets, dX_ref, dW_ref, norm, cfg.lr_head * anneal, cfg.lr_embed * anneal,
+               row_grad, row_count);
       if (step == ref_steps - 1) {
         for (std::size_t j = 0; j < lce_model.W.size(); ++j)
           max_w = std::max({max_w, double(std::fabs(lce_model.W[j] - ref_model.W[j])),
