@@ -180,9 +180,7 @@ class ChunkedHiddenToLogprobs {
                const target_set_outputs<E>& outputs) {
     detail::deferred_failure failure;
     const auto in = failure([&] { return set_inputs(hidden, weight, targets); });
-    auto out = output_views(row_outputs<E>{{}, outputs.lse, outputs.entropy, outputs.mean_logit});
-    out.logprobs = failure([&] { return per_id(outputs.logprobs, targets, "logprobs"); });
-    out.has_logprobs = out.logprobs.size != 0;
+    const auto out = set_output_views(failure, outputs, targets);
     engine_.forward(failure, in, out);
   }
 
@@ -195,9 +193,7 @@ class ChunkedHiddenToLogprobs {
     detail::deferred_failure failure;
     const auto in = failure([&] { return set_inputs(hidden, weight, targets); });
     const auto ls = failure([&] { return given(lse, "lse"); });
-    auto grads = gradient_views(row_gradients<E>{{}, gradients.entropy, gradients.lse, gradients.mean_logit, gradients.lse_squared});
-    grads.logprobs = failure([&] { return vector_view<const E>(per_id(gradients.logprobs, targets, "grad_logprobs")); });
-    grads.has_logprobs = grads.logprobs.size != 0;
+    const auto grads = set_gradient_views(failure, gradients, targets);
     const auto gx = failure([&] { return gradient(grad_hidden, "grad_hidden"); });
     const auto gw = failure([&] { return weight_gradient(grad_weight); });
     engine_.backward(failure, in, ls, grads, gx, gw.weight, gw.bias);
@@ -212,12 +208,8 @@ class ChunkedHiddenToLogprobs {
                         const GradHidden& grad_hidden, const GradWeight& grad_weight) {
     detail::deferred_failure failure;
     const auto in = failure([&] { return set_inputs(hidden, weight, targets); });
-    auto grads = gradient_views(row_gradients<E>{{}, gradients.entropy, gradients.lse, gradients.mean_logit, gradients.lse_squared});
-    grads.logprobs = failure([&] { return vector_view<const E>(per_id(gradients.logprobs, targets, "grad_logprobs")); });
-    grads.has_logprobs = grads.logprobs.size != 0;
-    auto out = output_views(row_outputs<F>{{}, outputs.lse, outputs.entropy, outputs.mean_logit});
-    out.logprobs = failure([&] { return per_id(outputs.logprobs, targets, "logprobs"); });
-    out.has_logprobs = out.logprobs.size != 0;
+    const auto grads = set_gradient_views(failure, gradients, targets);
+    const auto out = set_output_views(failure, outputs, targets);
     const auto gx = failure([&] { return gradient(grad_hidden, "grad_hidden"); });
     const auto gw = failure([&] { return weight_gradient(grad_weight); });
     engine_.forward_backward(failure, in, grads, out, gx, gw.weight, gw.bias);
@@ -321,6 +313,25 @@ class ChunkedHiddenToLogprobs {
     detail::expects(values.rows <= 1 || values.ld == values.cols, name, ": [", values.rows, ", ", values.cols,
             "] must be dense rows (ld ", values.ld, " != ", values.cols, ")");
     return {values.data, values.rows * values.cols};
+  }
+
+  // A target-set call's per-token vectors as the engine takes them: the [N, K]
+  // log-probs (or their gradients) flattened, the rest as in the row-term forms.
+  template <class E, class TargetSets>
+  static auto set_output_views(detail::deferred_failure& failure, const target_set_outputs<E>& o,
+                               const TargetSets& targets) {
+    auto out = output_views(row_outputs<E>{{}, o.lse, o.entropy, o.mean_logit});
+    out.logprobs = failure([&] { return per_id(o.logprobs, targets, "logprobs"); });
+    out.has_logprobs = out.logprobs.size != 0;
+    return out;
+  }
+  template <class E, class TargetSets>
+  static auto set_gradient_views(detail::deferred_failure& failure, const target_set_gradients<E>& g,
+                                 const TargetSets& targets) {
+    auto grads = gradient_views(row_gradients<E>{{}, g.entropy, g.lse, g.mean_logit, g.lse_squared});
+    grads.logprobs = failure([&] { return vector_view<const E>(per_id(g.logprobs, targets, "grad_logprobs")); });
+    grads.has_logprobs = grads.logprobs.size != 0;
+    return grads;
   }
 
   // Outputs of per-token results: float or double, writable.
