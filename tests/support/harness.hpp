@@ -263,6 +263,20 @@ double base_tol() {
   return std::is_same_v<T, double> ? 1e-10 : 1e-5;
 }
 
+// The temperature / soft-cap / chunk settings the row-term, target-set and
+// bias tests sweep: plain, tempered in several chunks, soft-capped in chunks.
+struct scaling {
+  float tau, cap;
+  std::int64_t chunk;
+};
+inline constexpr scaling scalings[] = {{1.0f, 0.0f, 0}, {0.7f, 0.0f, 5}, {0.8f, 4.0f, 3}};
+
+// Tolerance of a gradient element relative to (1 + the largest one).
+template <class T>
+double gradient_tol() {
+  return std::is_same_v<T, double> ? 1e-10 : 2e-5;
+}
+
 // Default options with a given temperature/softcap/chunk.
 inline lce::options make_options(float tau = 1.0f, float cap = 0.0f, std::int64_t chunk = 0,
                                  std::int64_t ignore_index = -100) {

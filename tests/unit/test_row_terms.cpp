@@ -53,17 +53,6 @@ comparison compare_gradient(const std::string& what, const matrix_buf<G>& got, c
       [&](std::int64_t, double) { return tol * scale; });
 }
 
-template <class T>
-double gradient_tol() {
-  return std::is_same_v<T, double> ? 1e-10 : 2e-5;
-}
-
-struct scaling {
-  float tau, cap;
-  std::int64_t chunk;
-};
-constexpr scaling scalings[] = {{1.0f, 0.0f, 0}, {0.7f, 0.0f, 5}, {0.8f, 4.0f, 3}};
-
 }  // namespace
 
 TEST_CASE_TEMPLATE("backward with row_gradients: dL/dlse (z-loss) and dL/d(mean logit) match the reference", T,
