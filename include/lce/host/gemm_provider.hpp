@@ -39,6 +39,16 @@
 // when they are bf16 values; dz (the logits' gradient, fp32) is passed as two
 // bf16 parts hi + lo (16 significant bits), both multiplied and summed.
 //
+// Optional, with the bf16 GEMM: `static constexpr bool bf16_operands = true;`
+// Then a bfloat16 operator runs all three GEMMs of a chunk as bf16 x bf16 ->
+// fp32: the hidden rows as stored (never widened), and dz rounded once to
+// bf16 in its own block before the two gradient GEMMs (unit roundoff 2^-8),
+// as GPU fused losses and PyTorch's own bf16 path do. Half the GEMM work of
+// the hi + lo form above, no fp32 copy of any weight tile; the price is dz's
+// rounding. bf16_gemm must then run on every CPU: lce does not ask
+// bf16_gemm_available() for these GEMMs (a provider without bf16
+// instructions widens inside bf16_gemm, e.g. detail::widening_bf16_gemm).
+//
 // Optional: a call_scope type (default-constructible, RAII) that lce holds for
 // each operator call and around each GEMM, e.g. to switch a library to one
 // thread per call (lce::cblas_gemm does, for OpenBLAS).
@@ -76,6 +86,17 @@ template <class P>
 inline constexpr bool gemm_parallelises_itself = [] {
   if constexpr (requires { P::parallelises_itself; }) {
     return static_cast<bool>(P::parallelises_itself);
+  } else {
+    return false;
+  }
+}();
+
+// Whether P's bf16 GEMM takes a bfloat16 operator's hidden rows and dz as
+// bf16 (see above); false unless it says so.
+template <class P>
+inline constexpr bool gemm_reads_bf16_operands = [] {
+  if constexpr (bf16_gemm_provider<P> && requires { P::bf16_operands; }) {
+    return static_cast<bool>(P::bf16_operands);
   } else {
     return false;
   }

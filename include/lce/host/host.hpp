@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <atomic>
 #include <climits>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -56,6 +57,13 @@ class basic_host {
  public:
   using memory_space = host_memory;
   using gemm_type = Gemm;
+
+  // The GEMMs' operand type (core/backend.hpp): bfloat16 hidden rows and dz
+  // go to a provider with bf16_operands as bf16; otherwise the compute type.
+  static constexpr bool bf16_operands = gemm_reads_bf16_operands<Gemm>;
+  template <class T>
+  using gemm_operand = std::conditional_t<bf16_operands && std::same_as<std::remove_cv_t<T>, bfloat16>, bfloat16,
+                                          compute_t<T>>;
 
   // threads <= 0: one per CPU this process may run on (its affinity mask).
   explicit basic_host(int threads = 0)
@@ -121,7 +129,7 @@ class basic_host {
   // from the shapes alone, so the chunk (and the bits) do not depend on threads().
   template <storage_type T>
   std::int64_t weight_block_elements(std::int64_t hidden, std::int64_t vocab_local) const {
-    if constexpr (!half_precision<T>) {
+    if constexpr (!half_precision<T> || std::same_as<gemm_operand<T>, T>) {
       return 0;
     } else {
       // Saturates (the workspace plan then reports the overflow as an lce::error).
@@ -187,6 +195,48 @@ class basic_host {
                                        dx.row(r0) + c0, dx.ld);
                         });
     }
+  }
+
+  // ---- GEMMs with bf16 operands (a provider with bf16_operands) --------------
+  // The same tiles as an fp32 weight's, each one bf16 x bf16 -> fp32 call.
+
+  void logits(matrix_view<const bfloat16> x, matrix_view<const bfloat16> w, float alpha, matrix_view<float> out,
+              void* /*weight_block: none needed*/)
+    requires bf16_operands
+  {
+    [[maybe_unused]] const provider_scope scope;
+    const std::int64_t tile = vocab_tile_rows<float>(w.cols, w.rows);
+    for_gemm_tiles(ceil_div(w.rows, tile), [&](std::int64_t t) {
+      const std::int64_t first = t * tile, rows = std::min(tile, w.rows - first);
+      gemm_.bf16_gemm(transpose::no, transpose::yes, x.rows, rows, x.cols, alpha, x.data, x.ld, w.row(first), w.ld,
+                      0.0f, out.data + first, out.ld);
+    });
+  }
+
+  void grad_hidden(matrix_view<const bfloat16> dz, matrix_view<const bfloat16> w, float alpha, matrix_view<float> dx,
+                   void* /*weight_block: none needed*/)
+    requires bf16_operands
+  {
+    if (dx.rows == 0 || dx.cols == 0) return;
+    [[maybe_unused]] const provider_scope scope;
+    const output_tiling tiles(dx.rows, dx.cols, tile_target);
+    for_gemm_tiles(tiles.count(), [&](std::int64_t t) {
+      const auto [r0, rows, c0, cols] = tiles.tile(t);
+      gemm_.bf16_gemm(transpose::no, transpose::no, rows, cols, w.rows, alpha, dz.row(r0), dz.ld, w.data + c0, w.ld,
+                      0.0f, dx.row(r0) + c0, dx.ld);
+    });
+  }
+
+  void grad_weight(matrix_view<const bfloat16> dz, matrix_view<const bfloat16> x, float alpha, matrix_view<float> dw)
+    requires bf16_operands
+  {
+    const std::int64_t tile = vocab_tile_rows<float>(x.cols, dz.cols);
+    [[maybe_unused]] const provider_scope scope;
+    for_gemm_tiles(ceil_div(dz.cols, tile), [&](std::int64_t t) {
+      const std::int64_t first = t * tile, rows = std::min(tile, dz.cols - first);
+      gemm_.bf16_gemm(transpose::yes, transpose::no, rows, x.cols, dz.rows, alpha, dz.data + first, dz.ld, x.data,
+                      x.ld, 1.0f, dw.row(first), dw.ld);
+    });
   }
 
   // dw += alpha dz^T x, tiled over vocabulary rows.
@@ -310,41 +360,52 @@ class basic_host {
     });
   }
 
-  template <class A, class I>
-  void logit_gradients(const gradient_args<A, I>& args) {
-    const bool capped = args.soft_cap.enabled();
+  // With a gradient operand (bf16 operands), each row of dz is computed in
+  // the logit block as always, then rounded once into the operand block
+  // while it is still in cache.
+  template <class A, class I, class O>
+  void logit_gradients(const gradient_args<A, I, O>& args) {
     for_rows(args.logits.rows, args.logits.cols, [&](std::int64_t r) {
       A* row = args.logits.row(r);
-      const std::int64_t n = args.logits.cols;
-      const A g = args.grad_logprobs[r];
-      const A h = args.grad_entropy ? args.grad_entropy[r] : A(0);
-      const A q = detail::lse_gradient(args.grad_lse, args.lse_squared, args.lse, r);
-      const A m = args.grad_mean_logit ? args.grad_mean_logit[r] : A(0);
-      const bool ignored = args.targets[r] == args.ignore_index;
-      if (ignored || (g == A(0) && h == A(0) && q == A(0) && m == A(0))) {
-        detail::zero_row(row, n);
-        if (!ignored) add_target_set_gradients(args, r, row);  // a set's +g terms need no row sum
-        return;
+      logit_gradient_row(args, r, row);
+      if constexpr (!std::same_as<O, A>) {
+        detail::convert_span(static_cast<const A*>(row), args.gradient_operand + r * args.logits.ld, args.logits.cols);
       }
-      const std::int64_t target = detail::local_target(args.targets[r], args.vocab_start, args.ignore_index, n);
-      const A target_slope = target >= 0 && capped ? detail::soft_cap_slope(row[target], args.soft_cap) : A(1);
-      const auto terms = detail::fold_row_terms(g, q, m, args.inverse_vocab);
-      if (args.exp_row_max) {
-        detail::scale_row(row, n, -terms.grad_logprob_of_p * std::exp(args.exp_row_max[r].max - args.lse[r]),
-                          terms.uniform);
-      } else {
-        dispatch_gradient_row(row, n, args.lse[r], terms.grad_logprob_of_p, h,
-                              args.mean_centred_logit ? args.mean_centred_logit[r] : A(0), terms.uniform,
-                              args.soft_cap, args.grad_entropy != nullptr, capped);
-      }
-      if (target >= 0) row[target] += g * target_slope;
-      add_target_set_gradients(args, r, row);
     });
   }
 
+  template <class A, class I, class O>
+  static void logit_gradient_row(const gradient_args<A, I, O>& args, std::int64_t r, A* row) {
+    const bool capped = args.soft_cap.enabled();
+    const std::int64_t n = args.logits.cols;
+    const A g = args.grad_logprobs[r];
+    const A h = args.grad_entropy ? args.grad_entropy[r] : A(0);
+    const A q = detail::lse_gradient(args.grad_lse, args.lse_squared, args.lse, r);
+    const A m = args.grad_mean_logit ? args.grad_mean_logit[r] : A(0);
+    const bool ignored = args.targets[r] == args.ignore_index;
+    if (ignored || (g == A(0) && h == A(0) && q == A(0) && m == A(0))) {
+      detail::zero_row(row, n);
+      if (!ignored) add_target_set_gradients(args, r, row);  // a set's +g terms need no row sum
+      return;
+    }
+    const std::int64_t target = detail::local_target(args.targets[r], args.vocab_start, args.ignore_index, n);
+    const A target_slope = target >= 0 && capped ? detail::soft_cap_slope(row[target], args.soft_cap) : A(1);
+    const auto terms = detail::fold_row_terms(g, q, m, args.inverse_vocab);
+    if (args.exp_row_max) {
+      detail::scale_row(row, n, -terms.grad_logprob_of_p * std::exp(args.exp_row_max[r].max - args.lse[r]),
+                        terms.uniform);
+    } else {
+      dispatch_gradient_row(row, n, args.lse[r], terms.grad_logprob_of_p, h,
+                            args.mean_centred_logit ? args.mean_centred_logit[r] : A(0), terms.uniform,
+                            args.soft_cap, args.grad_entropy != nullptr, capped);
+    }
+    if (target >= 0) row[target] += g * target_slope;
+    add_target_set_gradients(args, r, row);
+  }
+
   // Each id of row r's target set held here adds its g (times the soft-cap's slope at its logit).
-  template <class A, class I>
-  static void add_target_set_gradients(const gradient_args<A, I>& args, std::int64_t r, A* row) {
+  template <class A, class I, class O>
+  static void add_target_set_gradients(const gradient_args<A, I, O>& args, std::int64_t r, A* row) {
     if (!args.set_grads) return;
     const I* ids = args.set_ids + r * args.set_size;
     const A* grads = args.set_grads + r * args.set_size;

@@ -9,6 +9,7 @@
 // parallel; register.cpp only declares them.
 
 #include "process_group_comm.hpp"
+#include "torch_gemm.hpp"
 
 #include <lce/lce.hpp>
 
@@ -132,7 +133,8 @@ inline at::ScalarType result_dtype(at::ScalarType t) { return t == at::kDouble ?
 template <class T>
 class operator_cache {
  public:
-  using op_t = lce::ChunkedHiddenToLogprobs<process_group_comm, T>;
+  using backend_t = lce::basic_host<torch_gemm>;
+  using op_t = lce::ChunkedHiddenToLogprobs<process_group_comm, T, lce::budget_chunk, backend_t>;
 
   static op_t& get(const config& c) {
     process_group_comm comm = c.group_name ? process_group_comm(*c.group_name) : process_group_comm();
@@ -143,7 +145,7 @@ class operator_cache {
     for (auto& e : entries)
       if (e.threads == threads && e.group == group && same(e.opt, o)) return *e.op;
     if (entries.size() >= 8) entries.erase(entries.begin());
-    entries.push_back({o, group, threads, std::make_unique<op_t>(std::move(comm), o, lce::host{threads})});
+    entries.push_back({o, group, threads, std::make_unique<op_t>(std::move(comm), o, backend_t{threads})});
     return *entries.back().op;
   }
 

@@ -244,7 +244,12 @@ std::tuple<at::Tensor, at::Tensor> target_set_logprobs_backward_cuda(
   no_cuda_yet();
 }
 
-std::string blas_info_line() { return lce::blas_info().line(); }
+// lce's report, with what runs this package's bf16 GEMMs (torch_gemm.hpp).
+std::string blas_info_line() {
+  lce::blas_report report = lce::blas_info();
+  report.bf16_gemm = torch_gemm::bf16_description();
+  return report.line();
+}
 
 }  // namespace
 }  // namespace lce_torch

@@ -1,0 +1,85 @@
+"""bfloat16 GEMMs of lce_torch (csrc/torch_gemm.hpp): MKL's bf16 x bf16 -> fp32 GEMM from
+the libtorch_cpu this process loaded, or, without it, bf16 widened to fp32 for OpenBLAS
+(LCE_TORCH_NO_MKL=1 forces that path). Both give the float64 reference's gradients to
+within dz's rounding to bf16, and each other's to within the outputs' bf16 rounding."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import lce_torch
+from conftest import make, reference
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# One bf16 problem, its results saved as float64 (run here and in a child process).
+SCRIPT = r"""
+import sys, torch, lce_torch
+sys.path.insert(0, {here!r})
+from conftest import make
+torch.set_num_threads(2)
+h, w, y = make(150, 96, 3000, torch.bfloat16, seed=5, ignore=(4,), scale=2.0)
+h.requires_grad_(True); w.requires_grad_(True)
+logp, ent = lce_torch.linear_logprobs(h, w, y, with_entropy=True, chunk_tokens=64)
+(logp.sum() * 0.5 + (ent * torch.linspace(-1, 1, ent.numel())).sum()).backward()
+torch.save(dict(info=lce_torch.blas_info(), logp=logp.detach().double(), ent=ent.detach().double(),
+                dh=h.grad.double(), dw=w.grad.double()), sys.argv[1])
+"""
+
+
+def run_child(path, no_mkl):
+    env = dict(os.environ)
+    env.pop("LCE_TORCH_NO_MKL", None)
+    if no_mkl:
+        env["LCE_TORCH_NO_MKL"] = "1"
+    subprocess.run([sys.executable, "-c", SCRIPT.format(here=HERE), path], check=True, env=env, timeout=300)
+    return torch.load(path)
+
+
+def reference_gradients():
+    h, w, y = make(150, 96, 3000, torch.bfloat16, seed=5, ignore=(4,), scale=2.0)
+    hr, wr = h.double().requires_grad_(True), w.double().requires_grad_(True)
+    logp, _, ent = reference(hr, wr, y)
+    (logp.sum() * 0.5 + (ent * torch.linspace(-1, 1, ent.numel(), dtype=torch.float64)).sum()).backward()
+    return logp.detach(), ent.detach(), hr.grad, wr.grad
+
+
+def relative_error(a, b):
+    return float((a - b).norm() / b.norm())
+
+
+def test_blas_info_names_the_bf16_gemm():
+    info = lce_torch.blas_info()
+    assert "bf16 GEMMs: " in info
+    if torch.backends.mkl.is_available() and os.uname().machine == "x86_64":
+        # PyTorch's x86 wheels carry MKL inside libtorch_cpu: its bf16 GEMM is the one used.
+        assert "cblas_gemm_bf16bf16f32" in info, info
+
+
+@pytest.mark.parametrize("no_mkl", [False, True], ids=["mkl", "widened"])
+def test_bf16_gemm_paths_match_the_float64_reference(tmp_path, no_mkl):
+    got = run_child(str(tmp_path / "out.pt"), no_mkl)
+    assert ("widened to fp32" in got["info"]) == (no_mkl or "cblas_gemm_bf16bf16f32" not in got["info"])
+    rl, rent, rdh, rdw = reference_gradients()
+    # Forward: fp32 from exact bf16 products, so to fp32 rounding.
+    torch.testing.assert_close(got["logp"], rl, atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(got["ent"], rent, atol=2e-4, rtol=2e-4)
+    # Gradients: dz rounded to bf16 (2^-8) and the outputs rounded to bf16 (2^-8): well under 1%,
+    # well over fp32's rounding (a wrong GEMM, transpose or missing term is off by O(1)).
+    assert relative_error(got["dh"], rdh) < 5e-3
+    assert relative_error(got["dw"], rdw) < 5e-3
+
+
+def test_mkl_and_widened_paths_agree(tmp_path):
+    if not (torch.backends.mkl.is_available() and os.uname().machine == "x86_64"):
+        pytest.skip("no MKL in this torch: only the widened path exists")
+    mkl = run_child(str(tmp_path / "mkl.pt"), False)
+    widened = run_child(str(tmp_path / "widened.pt"), True)
+    assert "cblas_gemm_bf16bf16f32" in mkl["info"] and "widened to fp32" in widened["info"]
+    # Same products, same dz rounding; only the fp32 summation order differs.
+    torch.testing.assert_close(mkl["logp"], widened["logp"], atol=1e-5, rtol=1e-5)
+    for key in ("dh", "dw"):
+        scale = float(widened[key].abs().max())
+        torch.testing.assert_close(mkl[key], widened[key], atol=2e-2 * scale, rtol=8e-3)

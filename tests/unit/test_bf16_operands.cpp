@@ -1,0 +1,216 @@
+// A GEMM provider with bf16_operands (lce/host/gemm_provider.hpp): a bfloat16
+// operator's three GEMMs per chunk take the hidden rows as stored and dz
+// rounded once to bf16, in the form of GPU fused losses (and of lce_torch,
+// whose provider is MKL's bf16 GEMM). The shared bodies of tests/cases run
+// through it against the long-double materialised reference, with the same
+// tolerance for dz's rounding (u = 2^-8) as the CUDA suite; a float operator
+// on the same provider keeps its fp32 GEMMs. Also: detail::widening_bf16_gemm
+// (the fallback for a machine without a bf16 GEMM library) against plain loops.
+#include "cases/backward_cases.hpp"
+#include "cases/edge_cases.hpp"
+#include "cases/error_cases.hpp"
+#include "cases/forward_cases.hpp"
+#include "cases/target_set_cases.hpp"
+
+#include <lce/host/detail/widening_bf16_gemm.hpp>
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+
+using namespace lce_test;
+
+namespace {
+
+struct gemm_calls {
+  std::atomic<std::int64_t> fp32{0}, bf16{0}, availability_asked{0};
+};
+
+// Row-major C = alpha op(A) op(B) + beta C in plain loops, products and sums in fp32.
+template <class E>
+void loop_gemm(lce::transpose ta, lce::transpose tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
+               const E* a, std::int64_t lda, const E* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc) {
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = 0; j < n; ++j) {
+      float sum = 0;
+      for (std::int64_t p = 0; p < k; ++p) {
+        const float x = static_cast<float>(ta == lce::transpose::yes ? a[p * lda + i] : a[i * lda + p]);
+        const float y = static_cast<float>(tb == lce::transpose::yes ? b[j * ldb + p] : b[p * ldb + j]);
+        sum += x * y;
+      }
+      c[i * ldc + j] = beta == 0.0f ? alpha * sum : alpha * sum + beta * c[i * ldc + j];
+    }
+}
+
+// fp32 / fp64 GEMMs from the BLAS; the bf16 GEMM in plain loops, counted.
+// It says its bf16 GEMM is unavailable: with bf16_operands lce must not ask
+// (and, had it asked, it would have widened instead and never called it).
+struct loop_bf16_operand_gemm {
+  static constexpr bool bf16_operands = true;
+  std::shared_ptr<gemm_calls> calls = std::make_shared<gemm_calls>();
+
+  template <class A>
+  void gemm(lce::transpose ta, lce::transpose tb, std::int64_t m, std::int64_t n, std::int64_t k, A alpha, const A* a,
+            std::int64_t lda, const A* b, std::int64_t ldb, A beta, A* c, std::int64_t ldc) const {
+    calls->fp32.fetch_add(1);
+    lce::detail::gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  }
+  bool bf16_gemm_available() const {
+    calls->availability_asked.fetch_add(1);
+    return false;
+  }
+  void bf16_gemm(lce::transpose ta, lce::transpose tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
+                 const lce::bfloat16* a, std::int64_t lda, const lce::bfloat16* b, std::int64_t ldb, float beta,
+                 float* c, std::int64_t ldc) const {
+    calls->bf16.fetch_add(1);
+    loop_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  }
+};
+
+using bf16_operand_host = lce::basic_host<loop_bf16_operand_gemm>;
+
+static_assert(lce::gemm_reads_bf16_operands<loop_bf16_operand_gemm>);
+static_assert(!lce::gemm_reads_bf16_operands<lce::cblas_gemm>);
+static_assert(lce::backend<bf16_operand_host>);
+static_assert(std::is_same_v<lce::gemm_operand_t<bf16_operand_host, lce::bfloat16>, lce::bfloat16>);
+static_assert(std::is_same_v<lce::gemm_operand_t<bf16_operand_host, float>, float>);
+static_assert(std::is_same_v<lce::gemm_operand_t<bf16_operand_host, lce::float16>, float>);
+static_assert(std::is_same_v<lce::gemm_operand_t<lce::host, lce::bfloat16>, float>);
+
+// Every operator an Env makes holds a copy of one provider, so a test can count its calls.
+const loop_bf16_operand_gemm& shared_provider() {
+  static const loop_bf16_operand_gemm provider;
+  return provider;
+}
+gemm_calls& shared_calls() { return *shared_provider().calls; }
+
+struct bf16_operands_env {
+  static constexpr const char* name = "host, bf16 operands";
+
+  template <class T, class Chunk = lce::budget_chunk>
+  static lce::ChunkedHiddenToLogprobs<lce::comm::single, T, Chunk, bf16_operand_host> make_op(
+      const lce::options& opt, int threads = 0) {
+    return lce::ChunkedHiddenToLogprobs<lce::comm::single, T, Chunk, bf16_operand_host>(
+        lce::comm::single{}, opt, bf16_operand_host(shared_provider(), threads));
+  }
+
+  template <class T>
+  static constexpr double gradient_operand_unit = std::is_same_v<T, lce::bfloat16> ? 0x1p-8 : 0.0;
+  template <class T>
+  static constexpr double gradient_operand_floor = std::is_same_v<T, lce::bfloat16> ? 0x1p-134 : 0.0;
+};
+
+// Runs body() and checks which GEMMs it called: bf16 ones only for a bfloat16 operator.
+template <class T, class Body>
+void expect_gemms(Body&& body) {
+  auto& calls = shared_calls();
+  const std::int64_t fp32 = calls.fp32.load(), bf16 = calls.bf16.load();
+  body();
+  if constexpr (std::is_same_v<T, lce::bfloat16>) {
+    CHECK(calls.bf16.load() > bf16);
+    CHECK(calls.fp32.load() == fp32);  // no GEMM of a bf16 operator widens
+  } else {
+    CHECK(calls.bf16.load() == bf16);
+    CHECK(calls.fp32.load() > fp32);
+  }
+  CHECK(calls.availability_asked.load() == 0);
+}
+
+}  // namespace
+
+#define LCE_BF16_OPERAND_TYPES float, lce::bfloat16
+
+TEST_CASE_TEMPLATE("bf16 operands: forward matches the materialised reference", T, LCE_BF16_OPERAND_TYPES) {
+  expect_gemms<T>([] { cases::forward_matches_reference<bf16_operands_env, T>(); });
+}
+
+TEST_CASE_TEMPLATE("bf16 operands: ignored tokens give exactly zero log-prob and entropy", T,
+                   LCE_BF16_OPERAND_TYPES) {
+  cases::forward_ignored_tokens_zero<bf16_operands_env, T>();
+}
+
+TEST_CASE_TEMPLATE("bf16 operands: backward matches the reference gradients", T, LCE_BF16_OPERAND_TYPES) {
+  expect_gemms<T>([] { cases::backward_matches_reference<bf16_operands_env, T>(); });
+}
+
+TEST_CASE_TEMPLATE("bf16 operands: forward_backward matches the reference", T, LCE_BF16_OPERAND_TYPES) {
+  expect_gemms<T>([] { cases::forward_backward_matches_reference<bf16_operands_env, T>(); });
+}
+
+TEST_CASE_TEMPLATE("bf16 operands: forward_backward equals forward then backward", T, LCE_BF16_OPERAND_TYPES) {
+  cases::forward_backward_equals_two_calls<bf16_operands_env, T>();
+}
+
+TEST_CASE_TEMPLATE("bf16 operands: gradients over a vocabulary of several GEMM tiles", T, LCE_BF16_OPERAND_TYPES) {
+  cases::gradients_over_several_tiles<bf16_operands_env, T>();
+}
+
+TEST_CASE_TEMPLATE("bf16 operands: all tokens ignored: zero outputs and gradients", T, LCE_BF16_OPERAND_TYPES) {
+  cases::all_tokens_ignored<bf16_operands_env, T>();
+}
+
+TEST_CASE_TEMPLATE("bf16 operands: strided buffers: correct, padding untouched", T, LCE_BF16_OPERAND_TYPES) {
+  cases::strided_buffers<bf16_operands_env, T>();
+}
+
+TEST_CASE_TEMPLATE("bf16 operands: int32 and int64 targets give identical results", T, LCE_BF16_OPERAND_TYPES) {
+  cases::int32_and_int64_targets<bf16_operands_env, T>();
+}
+
+TEST_CASE_TEMPLATE("bf16 operands: target sets: forward", T, LCE_BF16_OPERAND_TYPES) {
+  cases::target_sets_forward<bf16_operands_env, T>();
+}
+
+TEST_CASE_TEMPLATE("bf16 operands: target sets: gradients", T, LCE_BF16_OPERAND_TYPES) {
+  cases::target_sets_gradients<bf16_operands_env, T>();
+}
+
+TEST_CASE_TEMPLATE("bf16 operands: bad target ids raise lce::error; nothing written", T, LCE_BF16_OPERAND_TYPES) {
+  cases::fixture<T, bf16_operands_env> f;
+  for (cases::entry e : cases::all_entries) f.expect_ok(e);
+  const auto all = {cases::entry::forward, cases::entry::forward_entropy, cases::entry::backward,
+                    cases::entry::backward_entropy, cases::entry::forward_backward};
+  cases::bad_target_subcases(f, all);
+}
+
+TEST_CASE("bf16 operands: no weight tile is widened, so the workspace has no weight block") {
+  const auto opt = make_options(1.0f, 0.0f, 64);
+  const auto widening = make_op<lce::bfloat16>(opt, 2);
+  const auto direct = bf16_operands_env::make_op<lce::bfloat16>(opt, 2);
+  const std::int64_t n = 64, h = 256, v = 8192;
+  // Both hold a chunk's fp32 logits; the bf16 one adds dz as bf16 and drops the widened weight tiles.
+  CHECK(direct.workspace_bytes(n, h, v) != widening.workspace_bytes(n, h, v));
+  CHECK(direct.workspace_bytes(n, h, v) < widening.workspace_bytes(n, h, v) + std::size_t(64 * v * 2));
+}
+
+TEST_CASE("detail::widening_bf16_gemm equals the bf16 GEMM in plain loops") {
+  const auto sgemm = [](lce::transpose ta, lce::transpose tb, std::int64_t m, std::int64_t n, std::int64_t k,
+                        float alpha, const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float beta,
+                        float* c, std::int64_t ldc) { lce::detail::gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc); };
+  const std::int64_t m = 37, n = 53, lda = 700, ldb = 700, ldc = 61;
+  for (const std::int64_t k : {std::int64_t{0}, std::int64_t{1}, std::int64_t{255}, std::int64_t{600}}) {
+    for (const auto ta : {lce::transpose::no, lce::transpose::yes})
+      for (const auto tb : {lce::transpose::no, lce::transpose::yes})
+        for (const float beta : {0.0f, 1.0f}) {
+          CAPTURE(k);
+          CAPTURE(static_cast<int>(ta));
+          CAPTURE(static_cast<int>(tb));
+          CAPTURE(beta);
+          const auto a = random_vector(700 * 700, 7 + k, -1.0, 1.0, rounder_for<lce::bfloat16>());
+          const auto b = random_vector(700 * 700, 9 + k, -1.0, 1.0, rounder_for<lce::bfloat16>());
+          std::vector<lce::bfloat16> ab(a.size()), bb(b.size());
+          for (std::size_t i = 0; i < a.size(); ++i) ab[i] = lce::bfloat16(static_cast<float>(a[i]));
+          for (std::size_t i = 0; i < b.size(); ++i) bb[i] = lce::bfloat16(static_cast<float>(b[i]));
+          std::vector<float> want(m * ldc, 0.5f), got(m * ldc, 0.5f);
+          got[m * ldc - 1] = want[m * ldc - 1] = -7.0f;  // past the last row's n columns: untouched
+          loop_gemm(ta, tb, m, n, k, 0.75f, ab.data(), lda, bb.data(), ldb, beta, want.data(), ldc);
+          lce::detail::widening_bf16_gemm(sgemm, ta, tb, m, n, k, 0.75f, ab.data(), lda, bb.data(), ldb, beta,
+                                          got.data(), ldc);
+          double worst = 0;
+          for (std::size_t i = 0; i < got.size(); ++i)
+            worst = std::max(worst, std::fabs(double(got[i]) - double(want[i])) / (1.0 + std::sqrt(double(k))));
+          CHECK(worst < 1e-5);
+          CHECK(got[m * ldc - 1] == -7.0f);
+        }
+  }
+}
