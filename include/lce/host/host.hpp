@@ -139,16 +139,18 @@ class basic_host {
   }
 
   // out = alpha x w^T, tiled over vocabulary rows (a 2-byte weight: over the
-  // output tiles of each widened vocabulary tile, all in one pass).
-  template <class A, class T>
-  void logits(matrix_view<const A> x, matrix_view<const T> w, A alpha, matrix_view<A> out, void* weight_block) {
+  // output tiles of each widened vocabulary tile, all in one pass). O is the
+  // GEMM operand type: the compute type, or bf16 for a provider with bf16_operands
+  // (then the weight is read as stored too, in the same tiles as an fp32 one).
+  template <class O, class T, class A>
+  void logits(matrix_view<const O> x, matrix_view<const T> w, A alpha, matrix_view<A> out, void* weight_block) {
     [[maybe_unused]] const provider_scope scope;
-    if constexpr (!half_precision<T>) {
-      const std::int64_t tile = vocab_tile_rows<T>(w.cols, w.rows);
+    if constexpr (weight_as_stored<O, T>) {
+      const std::int64_t tile = vocab_tile_rows<compute_t<T>>(w.cols, w.rows);
       for_gemm_tiles(ceil_div(w.rows, tile), [&](std::int64_t t) {
         const std::int64_t first = t * tile, rows = std::min(tile, w.rows - first);
-        gemm_.gemm(transpose::no, transpose::yes, x.rows, rows, x.cols, alpha, x.data, x.ld,
-                     w.row(first), w.ld, A(0), out.data + first, out.ld);
+        operand_gemm(transpose::no, transpose::yes, x.rows, rows, x.cols, alpha, x.data, x.ld, w.row(first), w.ld,
+                     A(0), out.data + first, out.ld);
       });
     } else {
       if (x.rows == 0) return;
@@ -172,16 +174,16 @@ class basic_host {
   // dx = alpha dz w (overwrites dx), over tiles of dx (rows x columns, from
   // the shapes: enough for every thread). A 2-byte weight is widened one
   // vocabulary tile at a time and each dx tile summed over those in order.
-  template <class A, class T>
-  void grad_hidden(matrix_view<const A> dz, matrix_view<const T> w, A alpha, matrix_view<A> dx, void* weight_block) {
+  template <class O, class T, class A>
+  void grad_hidden(matrix_view<const O> dz, matrix_view<const T> w, A alpha, matrix_view<A> dx, void* weight_block) {
     if (dx.rows == 0 || dx.cols == 0) return;
     [[maybe_unused]] const provider_scope scope;
     const output_tiling tiles(dx.rows, dx.cols, tile_target);
-    if constexpr (!half_precision<T>) {
+    if constexpr (weight_as_stored<O, T>) {
       for_gemm_tiles(tiles.count(), [&](std::int64_t t) {
         const auto [r0, rows, c0, cols] = tiles.tile(t);
-        gemm_.gemm(transpose::no, transpose::no, rows, cols, w.rows, alpha, dz.row(r0), dz.ld,
-                     w.data + c0, w.ld, A(0), dx.row(r0) + c0, dx.ld);
+        operand_gemm(transpose::no, transpose::no, rows, cols, w.rows, alpha, dz.row(r0), dz.ld, w.data + c0, w.ld,
+                     A(0), dx.row(r0) + c0, dx.ld);
       });
     } else {
       if constexpr (bf16_weight<A, T>) {
@@ -197,57 +199,15 @@ class basic_host {
     }
   }
 
-  // ---- GEMMs with bf16 operands (a provider with bf16_operands) --------------
-  // The same tiles as an fp32 weight's, each one bf16 x bf16 -> fp32 call.
-
-  void logits(matrix_view<const bfloat16> x, matrix_view<const bfloat16> w, float alpha, matrix_view<float> out,
-              void* /*weight_block: none needed*/)
-    requires bf16_operands
-  {
-    [[maybe_unused]] const provider_scope scope;
-    const std::int64_t tile = vocab_tile_rows<float>(w.cols, w.rows);
-    for_gemm_tiles(ceil_div(w.rows, tile), [&](std::int64_t t) {
-      const std::int64_t first = t * tile, rows = std::min(tile, w.rows - first);
-      gemm_.bf16_gemm(transpose::no, transpose::yes, x.rows, rows, x.cols, alpha, x.data, x.ld, w.row(first), w.ld,
-                      0.0f, out.data + first, out.ld);
-    });
-  }
-
-  void grad_hidden(matrix_view<const bfloat16> dz, matrix_view<const bfloat16> w, float alpha, matrix_view<float> dx,
-                   void* /*weight_block: none needed*/)
-    requires bf16_operands
-  {
-    if (dx.rows == 0 || dx.cols == 0) return;
-    [[maybe_unused]] const provider_scope scope;
-    const output_tiling tiles(dx.rows, dx.cols, tile_target);
-    for_gemm_tiles(tiles.count(), [&](std::int64_t t) {
-      const auto [r0, rows, c0, cols] = tiles.tile(t);
-      gemm_.bf16_gemm(transpose::no, transpose::no, rows, cols, w.rows, alpha, dz.row(r0), dz.ld, w.data + c0, w.ld,
-                      0.0f, dx.row(r0) + c0, dx.ld);
-    });
-  }
-
-  void grad_weight(matrix_view<const bfloat16> dz, matrix_view<const bfloat16> x, float alpha, matrix_view<float> dw)
-    requires bf16_operands
-  {
-    const std::int64_t tile = vocab_tile_rows<float>(x.cols, dz.cols);
-    [[maybe_unused]] const provider_scope scope;
-    for_gemm_tiles(ceil_div(dz.cols, tile), [&](std::int64_t t) {
-      const std::int64_t first = t * tile, rows = std::min(tile, dz.cols - first);
-      gemm_.bf16_gemm(transpose::yes, transpose::no, rows, x.cols, dz.rows, alpha, dz.data + first, dz.ld, x.data,
-                      x.ld, 1.0f, dw.row(first), dw.ld);
-    });
-  }
-
   // dw += alpha dz^T x, tiled over vocabulary rows.
-  template <class A>
-  void grad_weight(matrix_view<const A> dz, matrix_view<const A> x, A alpha, matrix_view<A> dw) {
+  template <class O, class A>
+  void grad_weight(matrix_view<const O> dz, matrix_view<const O> x, A alpha, matrix_view<A> dw) {
     const std::int64_t tile = vocab_tile_rows<A>(x.cols, dz.cols);
     [[maybe_unused]] const provider_scope scope;
     for_gemm_tiles(ceil_div(dz.cols, tile), [&](std::int64_t t) {
       const std::int64_t first = t * tile, rows = std::min(tile, dz.cols - first);
-      gemm_.gemm(transpose::yes, transpose::no, rows, x.cols, dz.rows, alpha, dz.data + first, dz.ld,
-                   x.data, x.ld, A(1), dw.row(first), dw.ld);
+      operand_gemm(transpose::yes, transpose::no, rows, x.cols, dz.rows, alpha, dz.data + first, dz.ld, x.data, x.ld,
+                   A(1), dw.row(first), dw.ld);
     });
   }
 
@@ -374,35 +334,6 @@ class basic_host {
     });
   }
 
-  template <class A, class I, class O>
-  static void logit_gradient_row(const gradient_args<A, I, O>& args, std::int64_t r, A* row) {
-    const bool capped = args.soft_cap.enabled();
-    const std::int64_t n = args.logits.cols;
-    const A g = args.grad_logprobs[r];
-    const A h = args.grad_entropy ? args.grad_entropy[r] : A(0);
-    const A q = detail::lse_gradient(args.grad_lse, args.lse_squared, args.lse, r);
-    const A m = args.grad_mean_logit ? args.grad_mean_logit[r] : A(0);
-    const bool ignored = args.targets[r] == args.ignore_index;
-    if (ignored || (g == A(0) && h == A(0) && q == A(0) && m == A(0))) {
-      detail::zero_row(row, n);
-      if (!ignored) add_target_set_gradients(args, r, row);  // a set's +g terms need no row sum
-      return;
-    }
-    const std::int64_t target = detail::local_target(args.targets[r], args.vocab_start, args.ignore_index, n);
-    const A target_slope = target >= 0 && capped ? detail::soft_cap_slope(row[target], args.soft_cap) : A(1);
-    const auto terms = detail::fold_row_terms(g, q, m, args.inverse_vocab);
-    if (args.exp_row_max) {
-      detail::scale_row(row, n, -terms.grad_logprob_of_p * std::exp(args.exp_row_max[r].max - args.lse[r]),
-                        terms.uniform);
-    } else {
-      dispatch_gradient_row(row, n, args.lse[r], terms.grad_logprob_of_p, h,
-                            args.mean_centred_logit ? args.mean_centred_logit[r] : A(0), terms.uniform,
-                            args.soft_cap, args.grad_entropy != nullptr, capped);
-    }
-    if (target >= 0) row[target] += g * target_slope;
-    add_target_set_gradients(args, r, row);
-  }
-
   // Each id of row r's target set held here adds its g (times the soft-cap's slope at its logit).
   template <class A, class I, class O>
   static void add_target_set_gradients(const gradient_args<A, I, O>& args, std::int64_t r, A* row) {
@@ -465,6 +396,52 @@ class basic_host {
  private:
   using provider_scope = typename detail::provider_call_scope<Gemm>::type;
   static constexpr bool provider_parallel = gemm_parallelises_itself<Gemm>;
+
+  // Whether the GEMMs read the weight as stored: it has the compute type, or it
+  // is bf16 and so are the operands (bf16_operands); else it is widened per tile.
+  template <class O, class T>
+  static constexpr bool weight_as_stored = !half_precision<T> || std::same_as<O, std::remove_cv_t<T>>;
+
+  // One provider call on operands of type O: its fp32 / fp64 GEMM, or its bf16 GEMM.
+  template <class O, class W, class A>
+  void operand_gemm(transpose ta, transpose tb, std::int64_t m, std::int64_t n, std::int64_t k, A alpha, const O* a,
+                    std::int64_t lda, const W* b, std::int64_t ldb, A beta, A* c, std::int64_t ldc) const {
+    if constexpr (std::same_as<O, bfloat16>) {
+      gemm_.bf16_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    } else {
+      gemm_.gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    }
+  }
+
+  template <class A, class I, class O>
+  static void logit_gradient_row(const gradient_args<A, I, O>& args, std::int64_t r, A* row) {
+    const bool capped = args.soft_cap.enabled();
+    const std::int64_t n = args.logits.cols;
+    const A g = args.grad_logprobs[r];
+    const A h = args.grad_entropy ? args.grad_entropy[r] : A(0);
+    const A q = detail::lse_gradient(args.grad_lse, args.lse_squared, args.lse, r);
+    const A m = args.grad_mean_logit ? args.grad_mean_logit[r] : A(0);
+    const bool ignored = args.targets[r] == args.ignore_index;
+    if (ignored || (g == A(0) && h == A(0) && q == A(0) && m == A(0))) {
+      detail::zero_row(row, n);
+      if (!ignored) add_target_set_gradients(args, r, row);  // a set's +g terms need no row sum
+      return;
+    }
+    const std::int64_t target = detail::local_target(args.targets[r], args.vocab_start, args.ignore_index, n);
+    const A target_slope = target >= 0 && capped ? detail::soft_cap_slope(row[target], args.soft_cap) : A(1);
+    const auto terms = detail::fold_row_terms(g, q, m, args.inverse_vocab);
+    if (args.exp_row_max) {
+      detail::scale_row(row, n, -terms.grad_logprob_of_p * std::exp(args.exp_row_max[r].max - args.lse[r]),
+                        terms.uniform);
+    } else {
+      dispatch_gradient_row(row, n, args.lse[r], terms.grad_logprob_of_p, h,
+                            args.mean_centred_logit ? args.mean_centred_logit[r] : A(0), terms.uniform,
+                            args.soft_cap, args.grad_entropy != nullptr, capped);
+    }
+    if (target >= 0) row[target] += g * target_slope;
+    add_target_set_gradients(args, r, row);
+  }
+
 
   static constexpr std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return a / b + (a % b != 0); }
 
