@@ -446,12 +446,12 @@ TEST_CASE("hardening: float with a float grad_weight holds no V x H accumulator"
 // ---------------------------------------------------------------------------
 
 TEST_CASE("hardening: workspace sizes that overflow size_t raise lce::error") {
-  auto bf = make_op<lce::bfloat16>(lce::options{}, 1);
+  auto bf = make_op<lce::bfloat16>(make_options(1.0f, 0.0f, 1), 1);
   auto fp = make_op<float>(lce::options{}, 1);
   const std::int64_t big = std::int64_t{1} << 32;
 
-  // The fp32 accumulator alone is 2^32 x 2^32 x 4 bytes.
-  if (const auto m = error_of([&] { (void)bf.workspace_bytes(1, big, big); })) check_mentions(*m, {"size_t"});
+  // Two chunks need the fp32 accumulator, 2^32 x 2^32 x 4 bytes alone.
+  if (const auto m = error_of([&] { (void)bf.workspace_bytes(2, big, big); })) check_mentions(*m, {"size_t"});
   // float has no accumulator; a chunk row of 2^62 hidden columns does not fit either.
   if (const auto m = error_of([&] { (void)fp.workspace_bytes(1, std::int64_t{1} << 62, 1024); }))
     check_mentions(*m, {"size_t"});

@@ -443,3 +443,95 @@ TEST_CASE_TEMPLATE("dX tiles and widened weight tiles: bitwise identical for 1, 
     }
   }
 }
+
+// A call whose tokens fit in one chunk (one rank) sums each vocabulary tile
+// of dW in a per-thread scratch and adds it straight into a grad_weight of
+// another element type than the compute type: no [V_local, H] accumulator.
+// Against the long double reference (onto a prefill: += semantics), over a
+// shard of 16 tiles with a ragged last one; bitwise the same for 1 and 3
+// threads; and the workspace: below the accumulator alone, where a call of
+// several chunks still holds one.
+TEST_CASE_TEMPLATE("one-chunk calls add dW tiles straight into a narrower grad_weight: no V x H accumulator", T,
+                   lce::bfloat16, lce::float16, double) {
+  using G = std::conditional_t<std::is_same_v<T, double>, float, T>;
+  using O = out_t<T>;
+  using Compute = lce::compute_t<T>;
+  const problem p = make_problem(40, 32, 10001, 31, rounder_for<T>(), 1.0, 0.1, 0.1);
+  const auto g = random_vector(p.n, 32, -1.0, 1.0, rounder_for<O>());
+  const auto hg = random_vector(p.n, 33, -0.5, 0.5, rounder_for<O>());
+  const auto pre = random_vector(p.v * p.h, 34, -1.0, 1.0, rounder_for<G>());
+  const std::size_t accumulator = static_cast<std::size_t>(p.v * p.h) * sizeof(Compute);
+
+  // What a forward alone holds: the sweep's buffer, nothing for dW.
+  const auto sweep_bytes = [&](const lce::options& opt) {
+    auto op = make_op<T>(opt, 3);
+    const auto X = make_matrix<T>(p.x, p.n, p.h);
+    const auto W = make_matrix<T>(p.w, p.v, p.h);
+    const auto Y = make_targets<std::int64_t>(p.y);
+    vector_buf<O> lp(p.n), lse(p.n);
+    op.forward(X.cview(), W.cview(), Y.cview(), lp.view(), lse.view());
+    return op.held_workspace_bytes();
+  };
+
+  auto one_chunk = make_op<T>(make_options(), 3);
+  REQUIRE(one_chunk.chunk_tokens(p.n, p.h, p.v) >= p.n);
+  const auto tiled = exercise<T, G>(one_chunk, p, g, hg, pre);
+  check_against_reference(tiled, p, g, hg, pre);
+  const std::size_t one_chunk_sweep = sweep_bytes(make_options());
+  CHECK(one_chunk.held_workspace_bytes() > one_chunk_sweep);
+  CHECK(one_chunk.held_workspace_bytes() - one_chunk_sweep < accumulator / 4);
+  CHECK(one_chunk.workspace_bytes(p.n, p.h, p.v) == one_chunk.held_workspace_bytes());
+
+  auto one_thread = make_op<T>(make_options(), 1);
+  const auto diff = exercise<T, G>(one_thread, p, g, hg, pre).bitwise_diff(tiled);
+  CHECK_MESSAGE(diff.empty(), "host{1} vs host{3}: " << diff);
+
+  auto chunked = make_op<T>(make_options(1.0f, 0.0f, 7), 3);
+  const auto accumulated = exercise<T, G>(chunked, p, g, hg, pre);
+  check_against_reference(accumulated, p, g, hg, pre);
+  CHECK(chunked.held_workspace_bytes() - sweep_bytes(make_options(1.0f, 0.0f, 7)) >= accumulator);
+  CHECK(chunked.workspace_bytes(p.n, p.h, p.v) == chunked.held_workspace_bytes());
+}
+
+// The host's float -> bf16 spans (dz's rounding, a 2-byte grad_weight's sums)
+// run a SIMD pack at a time: bit for bit the scalar rounding of
+// core/dtypes.hpp, at every length (whole packs and the tail), for ties,
+// NaNs (signalling ones made quiet), infinities, overflow to infinity,
+// signed zeros and subnormals.
+TEST_CASE("convert_span / add_span float -> bf16: the scalar rounding's bits, specials included") {
+  std::vector<std::uint32_t> patterns = {0x00000000u, 0x80000000u, 0x3f808000u, 0x3f818000u, 0x3f80ffffu, 0x7f800000u,
+                                         0xff800000u, 0x7f7fffffu, 0xff7fffffu, 0x7f800001u, 0x7fc00000u, 0xffbfffffu,
+                                         0x00000001u, 0x807fffffu, 0x00400000u, 0x3f7fffffu, 0x477fff00u};
+  std::uint32_t state = 12345u;
+  while (patterns.size() < 203) {
+    state = state * 1664525u + 1013904223u;
+    patterns.push_back(state);
+  }
+  const auto as_float = [](std::uint32_t bits) {
+    float f;
+    std::memcpy(&f, &bits, sizeof f);
+    return f;
+  };
+  std::vector<float> source;
+  for (auto bits : patterns) source.push_back(as_float(bits));
+  const auto bits_of = [](lce::bfloat16 b) {
+    std::uint16_t raw;
+    std::memcpy(&raw, &b, sizeof raw);
+    return raw;
+  };
+  for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{15}, std::size_t{16}, std::size_t{17},
+                        std::size_t{64}, source.size()}) {
+    CAPTURE(n);
+    std::vector<lce::bfloat16> rounded(n);
+    lce::detail::convert_span(source.data(), rounded.data(), static_cast<std::int64_t>(n));
+    std::vector<lce::bfloat16> sums(n);
+    for (std::size_t j = 0; j < n; ++j) sums[j] = lce::bfloat16(source[(j * 7 + 3) % source.size()]);
+    std::vector<lce::bfloat16> before = sums;
+    lce::detail::add_span(source.data(), sums.data(), static_cast<std::int64_t>(n));
+    for (std::size_t j = 0; j < n; ++j) {
+      CAPTURE(j);
+      CHECK(bits_of(rounded[j]) == bits_of(lce::bfloat16(source[j])));
+      CHECK(bits_of(sums[j]) == bits_of(lce::bfloat16(static_cast<float>(before[j]) + source[j])));
+    }
+  }
+}

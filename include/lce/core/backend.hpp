@@ -50,6 +50,21 @@ constexpr bool reuses_exp_block() {
     return true;
 }
 
+// Optional: dw += alpha dz^T x into a grad_weight `dw` whose element type G is
+// not the compute type A (a 2-byte grad_weight; float for T = double), each
+// vocabulary tile of the product summed in A in `scratch` (one tile per
+// thread, weight_gradient_tile_elements<A>(hidden, vocab_local) elements in
+// all) and added into dw once. A call whose tokens fit in one chunk then
+// needs no [V_local, H] accumulator: nothing is carried between chunks, and
+// dw gets the sum it would get from the accumulator, without its fill, its
+// memory and its final pass.
+template <class B, class O, class A, class G>
+concept adds_weight_gradient_tiles =
+    requires(B& b, matrix_view<const O> operand, matrix_view<G> dw, A alpha, A* scratch, std::int64_t count) {
+      { b.template weight_gradient_tile_elements<A>(count, count) } -> std::convertible_to<std::int64_t>;
+      b.grad_weight(operand, operand, alpha, dw, scratch);
+    };
+
 // What one pass over the targets tells the engine: a fingerprint, for the
 // ranks to agree they hold the same targets, and the extremes of the ids that
 // are not ignore_index, for the range check. A backend whose targets live

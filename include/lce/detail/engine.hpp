@@ -188,14 +188,23 @@ class engine {
   // The buffer of a sweep plus the [V_local, H] accumulator in the compute
   // type that a grad_weight of another element type needs (dW across chunks
   // accumulates in fp32, or double for T = double): any T but float allows
-  // one. Raises lce::error if it does not fit in size_t.
+  // one. A call that is one chunk on one rank needs only the backend's dW
+  // tiles instead, where it has them (adds_weight_gradient_tiles).
+  // Raises lce::error if it does not fit in size_t.
   std::size_t workspace_bytes(std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local,
                               std::int64_t set_size = 0) const {
     check_sizes("workspace_bytes", n_tokens, hidden, vocab_local, set_size);
-    const checked_size accumulator = std::same_as<T, float> ? checked_size{}
-                                                               : checked_size::of(vocab_local) *
-                                                                     checked_size::of(hidden) * sizeof(Compute);
-    const checked_size total = checked_size(plan_for(n_tokens, hidden, vocab_local, 0, set_size).bytes) + accumulator;
+    using NarrowGradWeight = std::conditional_t<std::same_as<T, double>, float, T>;
+    const auto plan = plan_for(n_tokens, hidden, vocab_local, 0, set_size);
+    checked_size accumulator;
+    if constexpr (!std::same_as<T, float>) {
+      accumulator = one_chunk_without_accumulator<NarrowGradWeight>(n_tokens, hidden, vocab_local, plan)
+                        ? checked_size::of(static_cast<std::int64_t>(
+                              weight_gradient_tile_elements<NarrowGradWeight>(hidden, vocab_local))) *
+                              sizeof(Compute)
+                        : checked_size::of(vocab_local) * checked_size::of(hidden) * sizeof(Compute);
+    }
+    const checked_size total = checked_size(plan.bytes) + accumulator;
     expects(!total.overflow, "workspace_bytes: the dW accumulator of vocab_local ", vocab_local, " x hidden ",
             hidden, " needs more bytes than size_t holds");
     return total.value;
@@ -332,7 +341,10 @@ class engine {
   struct prepared_call {
     workspace_plan<Compute> plan;
     void* workspace = nullptr;
-    Compute* weight_accumulator = nullptr;  // [V_local, H] for a grad_weight not of the compute type
+    // For a grad_weight not of the compute type: the [V_local, H] accumulator,
+    // or (tiles_into_grad_weight) the backend's per-thread dW tiles.
+    Compute* weight_gradient_scratch = nullptr;
+    bool tiles_into_grad_weight = false;
     std::int64_t vocab = 0;                 // the whole vocabulary V
   };
 
@@ -525,9 +537,15 @@ class engine {
         call.workspace = workspace_.reserve(backend_, call.plan.bytes, "workspace");
         if constexpr (!std::same_as<GradWeight, no_weight_gradient_t>) {
           if constexpr (!std::same_as<element_of<GradWeight>, Compute>) {
-            const auto bytes = static_cast<std::size_t>(grad_weight.rows * grad_weight.cols) * sizeof(Compute);
-            call.weight_accumulator = static_cast<Compute*>(
-                weight_gradient_.reserve(backend_, bytes, "grad_weight (its fp32 accumulator)"));
+            call.tiles_into_grad_weight = one_chunk_without_accumulator<element_of<GradWeight>>(
+                in.tokens(), in.hidden.cols, in.weight.rows, call.plan);
+            const std::size_t elements =
+                call.tiles_into_grad_weight
+                    ? weight_gradient_tile_elements<element_of<GradWeight>>(in.hidden.cols, in.weight.rows)
+                    : static_cast<std::size_t>(grad_weight.rows * grad_weight.cols);
+            call.weight_gradient_scratch = static_cast<Compute*>(weight_gradient_.reserve(
+                backend_, elements * sizeof(Compute),
+                call.tiles_into_grad_weight ? "grad_weight (fp32 tiles of it)" : "grad_weight (its fp32 accumulator)"));
           }
         }
       });
@@ -645,22 +663,61 @@ class engine {
     if (grad_bias.data || grad_bias.size) check_rows(grad_bias, "grad_bias", in.weight.rows, "weight");
   }
 
-  // Where dW accumulates: grad_weight itself when it has the compute type,
-  // else the reserved wide accumulator, added into it once, at the end.
+  // A grad_weight of another type than the compute type takes each tile of
+  // dW straight from the backend (no [V_local, H] accumulator) when the call
+  // is one chunk on one rank and the backend can. One rank only: with
+  // several, the agreed chunk may come out smaller than this rank's, and the
+  // accumulator could then only be allocated after the agreement, where a
+  // failure would leave the other ranks waiting.
   template <class GradWeight>
-  matrix_view<Compute> begin_weight_gradient(const prepared_call& call, const matrix_view<GradWeight>& grad_weight) {
-    if constexpr (std::same_as<GradWeight, Compute>) {
-      return grad_weight;
+  static constexpr bool backend_adds_weight_gradient_tiles =
+      adds_weight_gradient_tiles<Backend, Operand, Compute, GradWeight>;
+
+  // (And only where the tiles are the smaller scratch: many threads on a small shard.)
+  template <class GradWeight>
+  bool one_chunk_without_accumulator(std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local,
+                                     const workspace_plan<Compute>& plan) const {
+    if constexpr (backend_adds_weight_gradient_tiles<GradWeight>) {
+      const checked_size whole = checked_size::of(vocab_local) * checked_size::of(hidden);
+      return comm_.size() == 1 && n_tokens <= plan.local_chunk &&
+             (whole.overflow || weight_gradient_tile_elements<GradWeight>(hidden, vocab_local) < whole.value);
     } else {
-      matrix_view<Compute> accumulator{call.weight_accumulator, grad_weight.rows, grad_weight.cols, grad_weight.cols};
-      backend_.fill_zero(accumulator);
-      return accumulator;
+      return false;
     }
   }
 
   template <class GradWeight>
-  void end_weight_gradient(const matrix_view<Compute>& accumulator, const matrix_view<GradWeight>& grad_weight) {
-    if constexpr (!std::same_as<GradWeight, Compute>) backend_.add(matrix_view<const Compute>(accumulator), grad_weight);
+  std::size_t weight_gradient_tile_elements(std::int64_t hidden, std::int64_t vocab_local) const {
+    if constexpr (backend_adds_weight_gradient_tiles<GradWeight>)
+      return static_cast<std::size_t>(backend_.template weight_gradient_tile_elements<Compute>(hidden, vocab_local));
+    else
+      return 0;
+  }
+
+  // Where dW goes: grad_weight itself when it has the compute type; else
+  // the backend's tiles straight into it (one chunk), or the reserved wide
+  // accumulator, added into it once, at the end.
+  template <class GradWeight>
+  weight_gradient_sink<Compute, GradWeight> begin_weight_gradient(const prepared_call& call,
+                                                                  const matrix_view<GradWeight>& grad_weight) {
+    if constexpr (std::same_as<GradWeight, Compute>) {
+      return {.accumulator = grad_weight, .grad_weight = grad_weight};
+    } else if (call.tiles_into_grad_weight) {
+      return {.accumulator = {}, .grad_weight = grad_weight, .tile_scratch = call.weight_gradient_scratch};
+    } else {
+      matrix_view<Compute> accumulator{call.weight_gradient_scratch, grad_weight.rows, grad_weight.cols,
+                                       grad_weight.cols};
+      backend_.fill_zero(accumulator);
+      return {.accumulator = accumulator, .grad_weight = grad_weight};
+    }
+  }
+
+  template <class GradWeight>
+  void end_weight_gradient(const weight_gradient_sink<Compute, GradWeight>& sink,
+                           const matrix_view<GradWeight>& grad_weight) {
+    if constexpr (!std::same_as<GradWeight, Compute>) {
+      if (!sink.tile_scratch) backend_.add(matrix_view<const Compute>(sink.accumulator), grad_weight);
+    }
   }
 
   Comm comm_;

@@ -99,6 +99,17 @@ struct chunk {
   std::int64_t token_of_segment(int s) const { return segments == 1 ? local_first : s * local_tokens + local_first; }
 };
 
+// Where a chunk's dW goes: summed into `accumulator` chunk by chunk
+// (grad_weight itself when it has the compute type), or, with `tile_scratch`,
+// each vocabulary tile summed there and added straight into `grad_weight`
+// (a one-chunk call; see adds_weight_gradient_tiles).
+template <class Compute, class GradWeight>
+struct weight_gradient_sink {
+  matrix_view<Compute> accumulator;
+  matrix_view<GradWeight> grad_weight;
+  Compute* tile_scratch = nullptr;
+};
+
 template <communicator Comm, storage_type T, class Backend>
 class chunk_sweep {
  public:
@@ -335,9 +346,10 @@ class chunk_sweep {
   // dz (in the logit block) -> this rank's dX rows (summed over the ranks'
   // vocabulary shards, in the compute type) and dW.
   // With grad_bias, also db += alpha sum_rows dz (this rank's shard, over every row of the chunk).
-  template <class Index, class GradHidden>
+  template <class Index, class GradHidden, class GradWeight>
   void propagate(const chunk<T, Compute, Operand, Index>& c, const matrix_view<GradHidden>& grad_hidden,
-                 const matrix_view<Compute>& weight_gradient, const vector_view<Compute>& grad_bias = {}) {
+                 const weight_gradient_sink<Compute, GradWeight>& weight_gradient,
+                 const vector_view<Compute>& grad_bias = {}) {
     const matrix_view<const Operand> dz = dz_of(c);
     const Compute alpha = scaling_.temperature_scale;
     if (grad_bias.size) backend_.column_sums(dz, alpha, grad_bias);
@@ -345,7 +357,7 @@ class chunk_sweep {
     if constexpr (std::same_as<GradHidden, Compute>) {
       if (comm_.size() == 1) {
         backend_.grad_hidden(dz, c.weight, alpha, out, c.weight_block);
-        backend_.grad_weight(dz, c.hidden, alpha, weight_gradient);
+        add_weight_gradient(dz, c.hidden, alpha, weight_gradient);
         return;
       }
     }
@@ -359,11 +371,23 @@ class chunk_sweep {
       if (comm_.size() > 1) comm_.all_reduce_sum(stage.data, c.rows * stage.cols);
       backend_.copy(matrix_view<const Compute>(stage), out);
     }
-    backend_.grad_weight(dz, c.hidden, alpha, weight_gradient);
+    add_weight_gradient(dz, c.hidden, alpha, weight_gradient);
   }
 
  private:
   void* at(std::size_t offset) const { return base_ + offset; }
+
+  template <class GradWeight>
+  void add_weight_gradient(const matrix_view<const Operand>& dz, const matrix_view<const Operand>& hidden,
+                           Compute alpha, const weight_gradient_sink<Compute, GradWeight>& sink) {
+    if constexpr (adds_weight_gradient_tiles<Backend, Operand, Compute, GradWeight>) {
+      if (sink.tile_scratch) {
+        backend_.grad_weight(dz, hidden, alpha, sink.grad_weight, sink.tile_scratch);
+        return;
+      }
+    }
+    backend_.grad_weight(dz, hidden, alpha, sink.accumulator);
+  }
 
   // dz as the gradient GEMMs read it: its own block in the operand type, or the logit block itself.
   template <class Index>

@@ -211,6 +211,33 @@ class basic_host {
     });
   }
 
+  // Scratch for the grad_weight below: one dW tile per worker (the provider's
+  // own threads count as one), each about 1 MiB of A so that it is added into
+  // dw from cache.
+  template <class A>
+  std::int64_t weight_gradient_tile_elements(std::int64_t hidden, std::int64_t vocab_local) const {
+    const std::int64_t workers = provider_parallel ? 1 : threads();
+    const std::int64_t rows = rounded_tile_rows<A>(hidden, vocab_local);
+    return hidden > INT64_MAX / (rows * workers) ? INT64_MAX : workers * rows * hidden;  // saturates
+  }
+
+  // dw += alpha dz^T x into a dw of another element type (adds_weight_gradient_tiles):
+  // each tile of vocabulary rows is one GEMM into the worker's scratch, then
+  // added into dw while in cache. Tiles from the shapes alone, as above.
+  template <class O, class A, class G>
+    requires(!std::same_as<A, G>)
+  void grad_weight(matrix_view<const O> dz, matrix_view<const O> x, A alpha, matrix_view<G> dw, A* scratch) {
+    const std::int64_t tile = rounded_tile_rows<A>(x.cols, dz.cols), h = x.cols;
+    [[maybe_unused]] const provider_scope scope;
+    for_gemm_tiles_by_worker(ceil_div(dz.cols, tile), [&](std::int64_t t, int worker) {
+      const std::int64_t first = t * tile, rows = std::min(tile, dz.cols - first);
+      A* sum = scratch + static_cast<std::int64_t>(worker) * tile * h;
+      operand_gemm(transpose::yes, transpose::no, rows, h, dz.rows, alpha, dz.data + first, dz.ld, x.data, x.ld,
+                   A(0), sum, h);
+      for (std::int64_t r = 0; r < rows; ++r) detail::add_span(static_cast<const A*>(sum + r * h), dw.row(first + r), h);
+    });
+  }
+
   // ---- element conversions -------------------------------------------------
 
   template <class From, class To>
@@ -464,6 +491,18 @@ class basic_host {
     return std::max<std::int64_t>(1, std::min(rows, vocab_local));
   }
 
+  // Vocabulary rows of a dW tile that is summed in scratch and added into a
+  // grad_weight of another type: about 1 MiB (in a core's L2 with room to
+  // spare), at least 16 rows, and at most a sixteenth of the shard so that
+  // the tiles of a few threads stay well below one [V_local, H] accumulator.
+  template <class A>
+  static constexpr std::int64_t rounded_tile_rows(std::int64_t hidden, std::int64_t vocab_local) {
+    constexpr std::int64_t tile_bytes = std::int64_t{1} << 20;
+    const std::int64_t rows = std::max<std::int64_t>(
+        16, tile_bytes / static_cast<std::int64_t>(sizeof(A)) / std::max<std::int64_t>(hidden, 1));
+    return std::max<std::int64_t>(1, std::min(rows, ceil_div(vocab_local, 16)));
+  }
+
   // Tiles of a GEMM's [rows, cols] output, from the shapes alone: about
   // `target` of them (8: every thread of a small pool gets some), no thinner than 64
   // rows or 128 columns (single-threaded GEMMs slow down below that). Each
@@ -698,6 +737,19 @@ class basic_host {
     } else {
       pool_->parallel_for(tiles, 1, [&](std::int64_t begin, std::int64_t end, int) {
         for (std::int64_t t = begin; t < end; ++t) body(t);
+      });
+    }
+  }
+
+  // The same, telling body(t, worker) which worker (0 .. threads() - 1) runs it.
+  template <class Body>
+  void for_gemm_tiles_by_worker(std::int64_t tiles, Body&& body) {
+    if constexpr (provider_parallel) {
+      pool_->rest();
+      for (std::int64_t t = 0; t < tiles; ++t) body(t, 0);
+    } else {
+      pool_->parallel_for(tiles, 1, [&](std::int64_t begin, std::int64_t end, int worker) {
+        for (std::int64_t t = begin; t < end; ++t) body(t, worker);
       });
     }
   }

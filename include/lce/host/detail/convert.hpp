@@ -1,15 +1,72 @@
 #pragma once
 // Element conversions between storage and compute types, row by row.
-// Branch-free conversions (core/dtypes.hpp) let these loops vectorise.
+// float -> bf16 (the rounding of dz and of a 2-byte grad_weight's sums) runs
+// a SIMD pack at a time (core/simd.hpp): the compilers keep the scalar
+// rounding's NaN test as a branch, which stops their vectoriser. Same bits
+// as the scalar bfloat16(float).
 
 #include <lce/core/config.hpp>
 #include <lce/core/dtypes.hpp>
+#include <lce/core/simd.hpp>
 
 #include <cstdint>
 #include <cstring>
 
+LCE_BEGIN_SIMD_PACKS
+
 LCE_BEGIN_NAMESPACE
 namespace detail {
+
+#if LCE_VECTOR_PACKS
+// The bf16 bits of a pack of floats: round to nearest even, a NaN kept and made quiet.
+using bf16_bits_pack = std::uint16_t __attribute__((vector_size(pack_bytes / 2)));
+
+LCE_ALWAYS_INLINE bf16_bits_pack round_pack_to_bf16(const pack<float>& value) {
+  using bits_pack = pack<std::uint32_t>;
+  bits_pack bits;
+  std::memcpy(&bits, &value, sizeof bits);
+  const bits_pack rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+  const bits_pack quiet_nan = (bits >> 16) | 0x40u;
+  const auto is_nan = (bits & 0x7fffffffu) > 0x7f800000u;  // lanes of all ones where NaN
+  const bits_pack chosen = (quiet_nan & is_nan) | (rounded & ~is_nan);
+  return __builtin_convertvector(chosen, bf16_bits_pack);
+}
+
+LCE_ALWAYS_INLINE pack<float> widen_bf16_pack(const bfloat16* source) {
+  using narrow = bf16_bits_pack;
+  narrow raw;
+  std::memcpy(&raw, source, sizeof raw);
+  const pack<std::uint32_t> bits = __builtin_convertvector(raw, pack<std::uint32_t>) << 16;
+  pack<float> value;
+  std::memcpy(&value, &bits, sizeof value);
+  return value;
+}
+#endif
+
+inline void convert_span(const float* LCE_RESTRICT source, bfloat16* LCE_RESTRICT target, std::int64_t n) {
+  std::int64_t j = 0;
+#if LCE_VECTOR_PACKS
+  constexpr int lanes = pack_lanes<float>;
+  for (; j + lanes <= n; j += lanes) {
+    const bf16_bits_pack bits = round_pack_to_bf16(load_pack(source + j));
+    std::memcpy(target + j, &bits, sizeof bits);
+  }
+#endif
+  for (; j < n; ++j) target[j] = bfloat16(source[j]);
+}
+
+// target += source, summed in fp32 and rounded once.
+inline void add_span(const float* LCE_RESTRICT source, bfloat16* LCE_RESTRICT target, std::int64_t n) {
+  std::int64_t j = 0;
+#if LCE_VECTOR_PACKS
+  constexpr int lanes = pack_lanes<float>;
+  for (; j + lanes <= n; j += lanes) {
+    const bf16_bits_pack bits = round_pack_to_bf16(widen_bf16_pack(target + j) + load_pack(source + j));
+    std::memcpy(target + j, &bits, sizeof bits);
+  }
+#endif
+  for (; j < n; ++j) target[j] = bfloat16(static_cast<float>(target[j]) + source[j]);
+}
 
 template <class From, class To>
 void convert_span(const From* LCE_RESTRICT source, To* LCE_RESTRICT target, std::int64_t n) {
@@ -48,3 +105,5 @@ inline void split_to_bf16(const float* from, bfloat16* hi, bfloat16* lo, std::in
 
 }  // namespace detail
 LCE_END_NAMESPACE
+
+LCE_END_SIMD_PACKS
