@@ -535,3 +535,51 @@ TEST_CASE("convert_span / add_span float -> bf16: the scalar rounding's bits, sp
     }
   }
 }
+
+// Under the budget policy, a call whose budget chunk is below its token
+// count would hold the [V, H] accumulator on top of that chunk; when all its
+// tokens in one chunk (with the dW tiles) hold less, it takes one chunk.
+// A chunk the user fixed is kept (and so is the accumulator then).
+TEST_CASE_TEMPLATE("narrow grad_weight: one chunk instead of several plus the accumulator when that holds less", T,
+                   lce::bfloat16, double) {
+  using G = std::conditional_t<std::is_same_v<T, double>, float, T>;
+  using O = out_t<T>;
+  using Compute = lce::compute_t<T>;
+  const problem p = make_problem(64, 256, 3000, 41, rounder_for<T>(), 1.0, 0.1, 0.1);
+  const auto g = random_vector(p.n, 42, -1.0, 1.0, rounder_for<O>());
+  const auto hg = random_vector(p.n, 43, -0.5, 0.5, rounder_for<O>());
+  const auto pre = random_vector(p.v * p.h, 44, -1.0, 1.0, rounder_for<G>());
+  const std::size_t accumulator = static_cast<std::size_t>(p.v * p.h) * sizeof(Compute);
+
+  // A budget whose chunk is about half the tokens.
+  lce::options budget;
+  std::int64_t chunk = 0;
+  for (std::size_t limit = std::size_t{1} << 16; limit < (std::size_t{64} << 20); limit += std::size_t{1} << 14) {
+    budget.workspace_limit_bytes = limit;
+    chunk = make_op<T>(budget, 2).chunk_tokens(p.n, p.h, p.v);
+    if (chunk >= p.n / 2) break;
+  }
+  REQUIRE(chunk >= p.n / 2);
+  REQUIRE(chunk < p.n);
+
+  const auto X = make_matrix<T>(p.x, p.n, p.h);
+  const auto W = make_matrix<T>(p.w, p.v, p.h);
+  const auto Y = make_targets<std::int64_t>(p.y);
+  auto forward_only = make_op<T>(budget, 2);
+  vector_buf<O> lp(p.n), lse(p.n);
+  forward_only.forward(X.cview(), W.cview(), Y.cview(), lp.view(), lse.view());
+  const std::size_t budget_sweep = forward_only.held_workspace_bytes();
+
+  auto op = make_op<T>(budget, 2);
+  const auto o = exercise<T, G>(op, p, g, hg, pre);
+  check_against_reference(o, p, g, hg, pre);
+  CHECK(op.held_workspace_bytes() == op.workspace_bytes(p.n, p.h, p.v));
+  CHECK(op.held_workspace_bytes() < budget_sweep + accumulator);
+
+  lce::options fixed = budget;
+  fixed.chunk_tokens = chunk;
+  auto fixed_op = make_op<T>(fixed, 2);
+  check_against_reference(exercise<T, G>(fixed_op, p, g, hg, pre), p, g, hg, pre);
+  CHECK(fixed_op.held_workspace_bytes() >= budget_sweep + accumulator);
+  CHECK(fixed_op.workspace_bytes(p.n, p.h, p.v) == fixed_op.held_workspace_bytes());
+}

@@ -65,6 +65,17 @@ concept adds_weight_gradient_tiles =
       b.grad_weight(operand, operand, alpha, dw, scratch);
     };
 
+// Optional: dw = alpha dz^T x + beta dw on the [V_local, H] accumulator of a
+// call of several chunks, and with `round_into` (the last chunk) each
+// finished vocabulary tile of dw added into that grad_weight of element G
+// right after its GEMM. The first chunk passes beta = 0: the accumulator is
+// neither zeroed beforehand nor read back in a pass of its own at the end.
+template <class B, class O, class A, class G>
+concept rounds_accumulated_weight_gradient =
+    requires(B& b, matrix_view<const O> operand, matrix_view<A> dw, matrix_view<G> round_into, A alpha) {
+      b.grad_weight(operand, operand, alpha, dw, alpha, round_into);
+    };
+
 // What one pass over the targets tells the engine: a fingerprint, for the
 // ranks to agree they hold the same targets, and the extremes of the ids that
 // are not ignore_index, for the range check. A backend whose targets live

@@ -195,16 +195,14 @@ class engine {
                               std::int64_t set_size = 0) const {
     check_sizes("workspace_bytes", n_tokens, hidden, vocab_local, set_size);
     using NarrowGradWeight = std::conditional_t<std::same_as<T, double>, float, T>;
-    const auto plan = plan_for(n_tokens, hidden, vocab_local, 0, set_size);
-    checked_size accumulator;
-    if constexpr (!std::same_as<T, float>) {
-      accumulator = one_chunk_without_accumulator<NarrowGradWeight>(n_tokens, hidden, vocab_local, plan)
-                        ? checked_size::of(static_cast<std::int64_t>(
-                              weight_gradient_tile_elements<NarrowGradWeight>(hidden, vocab_local))) *
-                              sizeof(Compute)
-                        : checked_size::of(vocab_local) * checked_size::of(hidden) * sizeof(Compute);
+    checked_size total;
+    if constexpr (std::same_as<T, float>) {
+      total = checked_size(plan_for(n_tokens, hidden, vocab_local, 0, set_size).bytes);
+    } else {
+      const auto gradient = gradient_plan_for<NarrowGradWeight>(n_tokens, hidden, vocab_local, set_size);
+      total = checked_size(gradient.plan.bytes) + weight_gradient_scratch_bytes<NarrowGradWeight>(gradient, hidden,
+                                                                                                   vocab_local);
     }
-    const checked_size total = checked_size(plan.bytes) + accumulator;
     expects(!total.overflow, "workspace_bytes: the dW accumulator of vocab_local ", vocab_local, " x hidden ",
             hidden, " needs more bytes than size_t holds");
     return total.value;
@@ -523,7 +521,7 @@ class engine {
   // `terms` says which optional per-token vectors the call has: ranks must agree on it too.
   template <class Index, class GradWeight, class CallChecks>
   prepared_call prepare(const deferred_failure& conversion, const operator_inputs<T, Index>& in, call_kind kind,
-                        std::int64_t terms, const GradWeight& grad_weight, CallChecks&& call_checks) {
+                        std::int64_t terms, const GradWeight&, CallChecks&& call_checks) {
     prepared_call call;
     call_record mine;
     target_scan targets;
@@ -533,20 +531,21 @@ class engine {
         check_inputs(in);
         call_checks(in.tokens());
         targets = scan(in.targets);
-        call.plan = plan_for(in.tokens(), in.hidden.cols, in.weight.rows, 0, in.set_size);
-        call.workspace = workspace_.reserve(backend_, call.plan.bytes, "workspace");
-        if constexpr (!std::same_as<GradWeight, no_weight_gradient_t>) {
-          if constexpr (!std::same_as<element_of<GradWeight>, Compute>) {
-            call.tiles_into_grad_weight = one_chunk_without_accumulator<element_of<GradWeight>>(
-                in.tokens(), in.hidden.cols, in.weight.rows, call.plan);
-            const std::size_t elements =
-                call.tiles_into_grad_weight
-                    ? weight_gradient_tile_elements<element_of<GradWeight>>(in.hidden.cols, in.weight.rows)
-                    : static_cast<std::size_t>(grad_weight.rows * grad_weight.cols);
-            call.weight_gradient_scratch = static_cast<Compute*>(weight_gradient_.reserve(
-                backend_, elements * sizeof(Compute),
-                call.tiles_into_grad_weight ? "grad_weight (fp32 tiles of it)" : "grad_weight (its fp32 accumulator)"));
-          }
+        if constexpr (narrow_weight_gradient<GradWeight>()) {
+          using G = element_of<GradWeight>;
+          const auto gradient = gradient_plan_for<G>(in.tokens(), in.hidden.cols, in.weight.rows, in.set_size);
+          call.plan = gradient.plan;
+          call.tiles_into_grad_weight = gradient.tiles_into_grad_weight;
+          call.workspace = workspace_.reserve(backend_, call.plan.bytes, "workspace");
+          const checked_size dw_bytes = weight_gradient_scratch_bytes<G>(gradient, in.hidden.cols, in.weight.rows);
+          expects(!dw_bytes.overflow, "grad_weight: the fp32 scratch of its dW for vocab_local ", in.weight.rows,
+                  " x hidden ", in.hidden.cols, " needs more bytes than size_t holds");
+          call.weight_gradient_scratch = static_cast<Compute*>(weight_gradient_.reserve(
+              backend_, dw_bytes.value,
+              call.tiles_into_grad_weight ? "grad_weight (fp32 tiles of it)" : "grad_weight (its fp32 accumulator)"));
+        } else {
+          call.plan = plan_for(in.tokens(), in.hidden.cols, in.weight.rows, 0, in.set_size);
+          call.workspace = workspace_.reserve(backend_, call.plan.bytes, "workspace");
         }
       });
     }
@@ -694,6 +693,60 @@ class engine {
       return 0;
   }
 
+  // Whether a call writes a grad_weight whose element is not the compute type.
+  template <class GradWeight>
+  static constexpr bool narrow_weight_gradient() {
+    if constexpr (std::same_as<GradWeight, no_weight_gradient_t>)
+      return false;
+    else
+      return !std::same_as<element_of<GradWeight>, Compute>;
+  }
+
+  struct gradient_plan {
+    workspace_plan<Compute> plan;
+    bool tiles_into_grad_weight = false;
+  };
+
+  // The plan of a call that writes a grad_weight of element G (not the
+  // compute type). Under the budget policy, a call of several chunks holds
+  // the [V_local, H] accumulator on top of its chunk; when all its tokens
+  // in one chunk, with the backend's dW tiles, hold no more than that, the
+  // call takes them in one chunk: less memory, and no accumulator to fill,
+  // sum into and read back.
+  template <class G>
+  gradient_plan gradient_plan_for(std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local,
+                                  std::int64_t set_size) const {
+    gradient_plan result{plan_for(n_tokens, hidden, vocab_local, 0, set_size)};
+    if (one_chunk_without_accumulator<G>(n_tokens, hidden, vocab_local, result.plan)) {
+      result.tiles_into_grad_weight = true;
+      return result;
+    }
+    const bool budget_decides = !fixed_chunk_policy<Chunk> && options_.chunk_tokens <= 0;
+    if (!budget_decides || n_tokens < 1 || n_tokens > message_row_limit(hidden, set_size)) return result;
+    const auto shape = shape_of(hidden, vocab_local, set_size);
+    const checked_size tiles = checked_size::of(static_cast<std::int64_t>(
+                                   std::min<std::size_t>(weight_gradient_tile_elements<G>(hidden, vocab_local),
+                                                         INT64_MAX))) * sizeof(Compute);
+    const checked_size one = workspace_plan<Compute>::fixed_bytes(shape) +
+                             checked_size::of(n_tokens) * workspace_plan<Compute>::bytes_per_token(shape) + tiles;
+    const checked_size several = checked_size(result.plan.bytes) +
+                                 checked_size::of(vocab_local) * checked_size::of(hidden) * sizeof(Compute);
+    if (one.overflow || (!several.overflow && one.value > several.value)) return result;
+    const auto whole = workspace_plan<Compute>::make(shape, n_tokens);
+    if (one_chunk_without_accumulator<G>(n_tokens, hidden, vocab_local, whole)) result = {whole, true};
+    return result;
+  }
+
+  // The bytes of a call's dW scratch beside its plan: the backend's tiles, or the accumulator.
+  template <class G>
+  checked_size weight_gradient_scratch_bytes(const gradient_plan& gradient, std::int64_t hidden,
+                                             std::int64_t vocab_local) const {
+    if (gradient.tiles_into_grad_weight)
+      return checked_size::of(static_cast<std::int64_t>(weight_gradient_tile_elements<G>(hidden, vocab_local))) *
+             sizeof(Compute);
+    return checked_size::of(vocab_local) * checked_size::of(hidden) * sizeof(Compute);
+  }
+
   // Where dW goes: grad_weight itself when it has the compute type; else
   // the backend's tiles straight into it (one chunk), or the reserved wide
   // accumulator, added into it once, at the end.
@@ -707,8 +760,9 @@ class engine {
     } else {
       matrix_view<Compute> accumulator{call.weight_gradient_scratch, grad_weight.rows, grad_weight.cols,
                                        grad_weight.cols};
-      backend_.fill_zero(accumulator);
-      return {.accumulator = accumulator, .grad_weight = grad_weight};
+      constexpr bool fused = rounds_accumulated_weight_gradient<Backend, Operand, Compute, GradWeight>;
+      if (!fused) backend_.fill_zero(accumulator);
+      return {.accumulator = accumulator, .grad_weight = grad_weight, .fused = fused};
     }
   }
 
@@ -716,7 +770,7 @@ class engine {
   void end_weight_gradient(const weight_gradient_sink<Compute, GradWeight>& sink,
                            const matrix_view<GradWeight>& grad_weight) {
     if constexpr (!std::same_as<GradWeight, Compute>) {
-      if (!sink.tile_scratch) backend_.add(matrix_view<const Compute>(sink.accumulator), grad_weight);
+      if (!sink.tile_scratch && !sink.fused) backend_.add(matrix_view<const Compute>(sink.accumulator), grad_weight);
     }
   }
 

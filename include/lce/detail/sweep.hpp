@@ -102,12 +102,15 @@ struct chunk {
 // Where a chunk's dW goes: summed into `accumulator` chunk by chunk
 // (grad_weight itself when it has the compute type), or, with `tile_scratch`,
 // each vocabulary tile summed there and added straight into `grad_weight`
-// (a one-chunk call; see adds_weight_gradient_tiles).
+// (a one-chunk call; see adds_weight_gradient_tiles). `fused`: the backend
+// overwrites the accumulator in the first chunk and adds it into
+// grad_weight in the last (rounds_accumulated_weight_gradient).
 template <class Compute, class GradWeight>
 struct weight_gradient_sink {
   matrix_view<Compute> accumulator;
   matrix_view<GradWeight> grad_weight;
   Compute* tile_scratch = nullptr;
+  bool fused = false;
 };
 
 template <communicator Comm, storage_type T, class Backend>
@@ -357,7 +360,7 @@ class chunk_sweep {
     if constexpr (std::same_as<GradHidden, Compute>) {
       if (comm_.size() == 1) {
         backend_.grad_hidden(dz, c.weight, alpha, out, c.weight_block);
-        add_weight_gradient(dz, c.hidden, alpha, weight_gradient);
+        add_weight_gradient(c, dz, alpha, weight_gradient);
         return;
       }
     }
@@ -371,22 +374,30 @@ class chunk_sweep {
       if (comm_.size() > 1) comm_.all_reduce_sum(stage.data, c.rows * stage.cols);
       backend_.copy(matrix_view<const Compute>(stage), out);
     }
-    add_weight_gradient(dz, c.hidden, alpha, weight_gradient);
+    add_weight_gradient(c, dz, alpha, weight_gradient);
   }
 
  private:
   void* at(std::size_t offset) const { return base_ + offset; }
 
-  template <class GradWeight>
-  void add_weight_gradient(const matrix_view<const Operand>& dz, const matrix_view<const Operand>& hidden,
+  template <class Index, class GradWeight>
+  void add_weight_gradient(const chunk<T, Compute, Operand, Index>& c, const matrix_view<const Operand>& dz,
                            Compute alpha, const weight_gradient_sink<Compute, GradWeight>& sink) {
     if constexpr (adds_weight_gradient_tiles<Backend, Operand, Compute, GradWeight>) {
       if (sink.tile_scratch) {
-        backend_.grad_weight(dz, hidden, alpha, sink.grad_weight, sink.tile_scratch);
+        backend_.grad_weight(dz, c.hidden, alpha, sink.grad_weight, sink.tile_scratch);
         return;
       }
     }
-    backend_.grad_weight(dz, hidden, alpha, sink.accumulator);
+    if constexpr (rounds_accumulated_weight_gradient<Backend, Operand, Compute, GradWeight>) {
+      if (sink.fused) {
+        const bool last = c.local_first + c.segment_rows >= c.local_tokens;
+        backend_.grad_weight(dz, c.hidden, alpha, sink.accumulator, c.ordinal == 0 ? Compute(0) : Compute(1),
+                             last ? sink.grad_weight : matrix_view<GradWeight>{});
+        return;
+      }
+    }
+    backend_.grad_weight(dz, c.hidden, alpha, sink.accumulator);
   }
 
   // dz as the gradient GEMMs read it: its own block in the operand type, or the logit block itself.

@@ -212,8 +212,7 @@ class basic_host {
   }
 
   // Scratch for the grad_weight below: one dW tile per worker (the provider's
-  // own threads count as one), each about 1 MiB of A so that it is added into
-  // dw from cache.
+  // own threads count as one), each about 4 MiB (rounded_tile_rows).
   template <class A>
   std::int64_t weight_gradient_tile_elements(std::int64_t hidden, std::int64_t vocab_local) const {
     const std::int64_t workers = provider_parallel ? 1 : threads();
@@ -235,6 +234,26 @@ class basic_host {
       operand_gemm(transpose::yes, transpose::no, rows, h, dz.rows, alpha, dz.data + first, dz.ld, x.data, x.ld,
                    A(0), sum, h);
       for (std::int64_t r = 0; r < rows; ++r) detail::add_span(static_cast<const A*>(sum + r * h), dw.row(first + r), h);
+    });
+  }
+
+  // dw = alpha dz^T x + beta dw on an accumulator (rounds_accumulated_weight_gradient),
+  // in the tiles above; with round_into.data, each tile is then added into
+  // round_into while in cache.
+  template <class O, class A, class G>
+    requires(!std::same_as<A, G>)
+  void grad_weight(matrix_view<const O> dz, matrix_view<const O> x, A alpha, matrix_view<A> dw, A beta,
+                   matrix_view<G> round_into) {
+    const std::int64_t tile = rounded_tile_rows<A>(x.cols, dz.cols), h = x.cols;
+    [[maybe_unused]] const provider_scope scope;
+    for_gemm_tiles(ceil_div(dz.cols, tile), [&](std::int64_t t) {
+      const std::int64_t first = t * tile, rows = std::min(tile, dz.cols - first);
+      operand_gemm(transpose::yes, transpose::no, rows, h, dz.rows, alpha, dz.data + first, dz.ld, x.data, x.ld, beta,
+                   dw.row(first), dw.ld);
+      if (round_into.data) {
+        for (std::int64_t r = 0; r < rows; ++r)
+          detail::add_span(static_cast<const A*>(dw.row(first + r)), round_into.row(first + r), h);
+      }
     });
   }
 
@@ -491,13 +510,14 @@ class basic_host {
     return std::max<std::int64_t>(1, std::min(rows, vocab_local));
   }
 
-  // Vocabulary rows of a dW tile that is summed in scratch and added into a
-  // grad_weight of another type: about 1 MiB (in a core's L2 with room to
-  // spare), at least 16 rows, and at most a sixteenth of the shard so that
+  // Vocabulary rows of a dW tile that is added into a grad_weight of another
+  // type right after its GEMM: about 4 MiB (each GEMM packs all of x again,
+  // so not much smaller; the add reads the tile back from cache, so not much
+  // larger), at least 16 rows, and at most a sixteenth of the shard so that
   // the tiles of a few threads stay well below one [V_local, H] accumulator.
   template <class A>
   static constexpr std::int64_t rounded_tile_rows(std::int64_t hidden, std::int64_t vocab_local) {
-    constexpr std::int64_t tile_bytes = std::int64_t{1} << 20;
+    constexpr std::int64_t tile_bytes = std::int64_t{4} << 20;
     const std::int64_t rows = std::max<std::int64_t>(
         16, tile_bytes / static_cast<std::int64_t>(sizeof(A)) / std::max<std::int64_t>(hidden, 1));
     return std::max<std::int64_t>(1, std::min(rows, ceil_div(vocab_local, 16)));
