@@ -217,7 +217,8 @@ class ChunkedHiddenToLogprobs {
 
   // Bytes of scratch the calls above allocate for these sizes: the sweep's
   // buffer plus, for a 2-byte T, the fp32 [V_local, H] dW accumulator that a
-  // grad_weight of type T needs (an upper bound over the calls). With several
+  // grad_weight of type T needs across chunks, or the backend's dW tiles for
+  // a call of one chunk on one rank (an upper bound over the calls). With several
   // ranks a call uses the smallest chunk over ranks, so at most this.
   // `set_size`: K, for the calls with target sets of K ids per token.
   std::size_t workspace_bytes(std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local,

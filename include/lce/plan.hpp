@@ -44,7 +44,8 @@
 //                same rank count, sequence_parallel, element type and
 //                workspace_limit_bytes (the logit block of one chunk, row
 //                statistics, per-chunk collective buffers, and for a 2-byte
-//                dtype the fp32 [V_r, H] accumulator of grad_weight)
+//                dtype the fp32 [V_r, H] accumulator of grad_weight, or
+//                the dW tiles of a call of one chunk on one rank)
 // Not counted: the rest of the model (give it as budget_bytes' complement),
 // the framework's allocator slack, the CUDA context and the collectives
 // library's own buffers, and activations saved by other layers. The lce
