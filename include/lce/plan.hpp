@@ -167,7 +167,9 @@ inline std::int64_t plan_vocab_local(const plan_request& r) {
 }
 
 // The operator the plan stands for: P ranks, one host thread (the plan
-// depends on the shapes and options only, never on threads).
+// depends on the shapes and options only, never on threads; but for a 2-byte
+// dtype, a call of one chunk on one rank holds one dW tile of about 4 MiB
+// per host thread, and the plan counts one).
 template <class T>
 std::size_t lce_workspace_bytes(const plan_request& r, std::int64_t tokens, std::int64_t* chunk) {
   options opt;

@@ -52,9 +52,9 @@ constexpr bool reuses_exp_block() {
 
 // Optional: dw += alpha dz^T x into a grad_weight `dw` whose element type G is
 // not the compute type A (a 2-byte grad_weight; float for T = double), each
-// vocabulary tile of the product summed in A in `scratch` (one tile per
-// thread, weight_gradient_tile_elements<A>(hidden, vocab_local) elements in
-// all) and added into dw once. A call whose tokens fit in one chunk then
+// vocabulary tile of the product summed in A in `scratch` (slots of
+// weight_gradient_tile_elements<A>(hidden, vocab_local) elements, from the
+// shapes alone, weight_gradient_tile_slots() of them) and added into dw once. A call whose tokens fit in one chunk then
 // needs no [V_local, H] accumulator: nothing is carried between chunks, and
 // dw gets the sum it would get from the accumulator, without its fill, its
 // memory and its final pass.
@@ -62,6 +62,7 @@ template <class B, class O, class A, class G>
 concept adds_weight_gradient_tiles =
     requires(B& b, matrix_view<const O> operand, matrix_view<G> dw, A alpha, A* scratch, std::int64_t count) {
       { b.template weight_gradient_tile_elements<A>(count, count) } -> std::convertible_to<std::int64_t>;
+      { b.weight_gradient_tile_slots() } -> std::convertible_to<int>;
       b.grad_weight(operand, operand, alpha, dw, scratch);
     };
 
@@ -75,6 +76,20 @@ concept rounds_accumulated_weight_gradient =
     requires(B& b, matrix_view<const O> operand, matrix_view<A> dw, matrix_view<G> round_into, A alpha) {
       b.grad_weight(operand, operand, alpha, dw, alpha, round_into);
     };
+
+// Whether the gradient pass writes each row's dz, in the GEMM operand type,
+// over the start of that row's own logits (the host: a row is read before it
+// is overwritten, one row at a time), so that no separate operand block is
+// needed: the GEMMs then read dz with the logit block's ld in operand
+// elements (twice it for bf16). A backend that writes dz from many threads
+// per row (a GPU) keeps the block.
+template <class Backend>
+constexpr bool dz_operand_in_logit_rows() {
+  if constexpr (requires { Backend::dz_operand_in_logit_rows; })
+    return Backend::dz_operand_in_logit_rows;
+  else
+    return false;
+}
 
 // What one pass over the targets tells the engine: a fingerprint, for the
 // ranks to agree they hold the same targets, and the extremes of the ids that
@@ -144,10 +159,12 @@ struct gradient_args {
   const Compute* set_grads = nullptr;      // [rows, set_size]: dL/dlogp of each id
   const Compute* set_logits = nullptr;     // [rows, set_size]: z at each id held here
   std::int64_t set_size = 0;
-  // When set, dz goes here in the backend's GEMM operand type (same ld as
-  // the logit block) and the block itself is left as it was: set only for a
+  // When set, dz goes here in the backend's GEMM operand type, rows
+  // gradient_operand_ld apart (the logit block's ld, or twice it where dz
+  // overwrites the logit rows: dz_operand_in_logit_rows): set only for a
   // backend whose gemm_operand is not the compute type.
   Operand* gradient_operand = nullptr;
+  std::int64_t gradient_operand_ld = 0;
 };
 
 // sum_v p (z - lse) over this rank's vocabulary, p = exp(z - lse): its

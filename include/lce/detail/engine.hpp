@@ -466,7 +466,8 @@ class engine {
     shape.ranks = comm_.size();
     shape.widen_hidden = !std::same_as<T, Operand>;
     shape.operand_bytes = sizeof(Operand);
-    shape.gradient_operand_bytes = std::same_as<Operand, Compute> ? 0 : sizeof(Operand);
+    shape.gradient_operand_bytes =
+        std::same_as<Operand, Compute> || dz_operand_in_logit_rows<Backend>() ? 0 : sizeof(Operand);
     shape.sequence_parallel = sequence_parallel();
     shape.storage_bytes = sizeof(T);
     shape.weight_block_elements = backend_.template weight_block_elements<T>(hidden, vocab_local);
@@ -672,23 +673,30 @@ class engine {
   static constexpr bool backend_adds_weight_gradient_tiles =
       adds_weight_gradient_tiles<Backend, Operand, Compute, GradWeight>;
 
-  // (And only where the tiles are the smaller scratch: many threads on a small shard.)
+  // The decisions below weigh one tile (from the shapes alone), so that
+  // the chunks, and with them the bits, never depend on the thread count.
   template <class GradWeight>
-  bool one_chunk_without_accumulator(std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local,
-                                     const workspace_plan<Compute>& plan) const {
+  bool one_chunk_without_accumulator(std::int64_t n_tokens, const workspace_plan<Compute>& plan) const {
     if constexpr (backend_adds_weight_gradient_tiles<GradWeight>) {
-      const checked_size whole = checked_size::of(vocab_local) * checked_size::of(hidden);
-      return comm_.size() == 1 && n_tokens <= plan.local_chunk &&
-             (whole.overflow || weight_gradient_tile_elements<GradWeight>(hidden, vocab_local) < whole.value);
+      return comm_.size() == 1 && n_tokens <= plan.local_chunk;
     } else {
       return false;
     }
   }
 
+  // One dW tile of the backend's, in compute-type elements.
   template <class GradWeight>
   std::size_t weight_gradient_tile_elements(std::int64_t hidden, std::int64_t vocab_local) const {
     if constexpr (backend_adds_weight_gradient_tiles<GradWeight>)
       return static_cast<std::size_t>(backend_.template weight_gradient_tile_elements<Compute>(hidden, vocab_local));
+    else
+      return 0;
+  }
+
+  template <class GradWeight>
+  std::size_t weight_gradient_tile_slots() const {
+    if constexpr (backend_adds_weight_gradient_tiles<GradWeight>)
+      return static_cast<std::size_t>(std::max(1, backend_.weight_gradient_tile_slots()));
     else
       return 0;
   }
@@ -717,7 +725,7 @@ class engine {
   gradient_plan gradient_plan_for(std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local,
                                   std::int64_t set_size) const {
     gradient_plan result{plan_for(n_tokens, hidden, vocab_local, 0, set_size)};
-    if (one_chunk_without_accumulator<G>(n_tokens, hidden, vocab_local, result.plan)) {
+    if (one_chunk_without_accumulator<G>(n_tokens, result.plan)) {
       result.tiles_into_grad_weight = true;
       return result;
     }
@@ -733,7 +741,7 @@ class engine {
                                  checked_size::of(vocab_local) * checked_size::of(hidden) * sizeof(Compute);
     if (one.overflow || (!several.overflow && one.value > several.value)) return result;
     const auto whole = workspace_plan<Compute>::make(shape, n_tokens);
-    if (one_chunk_without_accumulator<G>(n_tokens, hidden, vocab_local, whole)) result = {whole, true};
+    if (one_chunk_without_accumulator<G>(n_tokens, whole)) result = {whole, true};
     return result;
   }
 
@@ -743,7 +751,7 @@ class engine {
                                              std::int64_t vocab_local) const {
     if (gradient.tiles_into_grad_weight)
       return checked_size::of(static_cast<std::int64_t>(weight_gradient_tile_elements<G>(hidden, vocab_local))) *
-             sizeof(Compute);
+             weight_gradient_tile_slots<G>() * sizeof(Compute);
     return checked_size::of(vocab_local) * checked_size::of(hidden) * sizeof(Compute);
   }
 

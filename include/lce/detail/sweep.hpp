@@ -119,6 +119,8 @@ class chunk_sweep {
   using Compute = compute_t<T>;
   using Operand = gemm_operand_t<Backend, T>;
   static constexpr bool dz_in_own_block = !std::same_as<Operand, Compute>;
+  // ... which may be the logit block's own rows, overwritten (dz_operand_in_logit_rows).
+  static constexpr bool dz_in_logit_rows = dz_in_own_block && dz_operand_in_logit_rows<Backend>();
 
   // `vocab` is the whole vocabulary V (the mean logit's denominator).
   chunk_sweep(const Comm& comm, Backend& backend, const options& opt, const workspace_plan<Compute>& plan,
@@ -164,7 +166,13 @@ class chunk_sweep {
       c.segment_rows = std::min(plan_.local_chunk, in.hidden.rows - first);
       c.rows = c.segment_rows * c.segments;
       c.logits = {logits, c.rows, in.weight.rows, plan_.logits_ld};
-      if constexpr (dz_in_own_block) c.dz_operand = {dz_operand, c.rows, in.weight.rows, plan_.logits_ld};
+      if constexpr (dz_in_logit_rows) {
+        static_assert(sizeof(Compute) % sizeof(Operand) == 0);
+        c.dz_operand = {reinterpret_cast<Operand*>(logits), c.rows, in.weight.rows,
+                        plan_.logits_ld * static_cast<std::int64_t>(sizeof(Compute) / sizeof(Operand))};
+      } else if constexpr (dz_in_own_block) {
+        c.dz_operand = {dz_operand, c.rows, in.weight.rows, plan_.logits_ld};
+      }
       c.grad_hidden_stage = {grad_hidden_stage, c.rows, h, h};
       c.set_logits = reinterpret_cast<Compute*>(c.partials + c.rows);
       try {
@@ -306,7 +314,10 @@ class chunk_sweep {
     args.lse = c.row(row_lse);
     args.grad_logprobs = c.row(row_grad_logprobs);
     args.inverse_vocab = inverse_vocab_;
-    if constexpr (dz_in_own_block) args.gradient_operand = c.dz_operand.data;
+    if constexpr (dz_in_own_block) {
+      args.gradient_operand = c.dz_operand.data;
+      args.gradient_operand_ld = c.dz_operand.ld;
+    }
     if (c.set_size > 0) {
       args.set_ids = c.set_ids.data;
       args.set_grads = c.set_grads;

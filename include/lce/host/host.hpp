@@ -211,14 +211,15 @@ class basic_host {
     });
   }
 
-  // Scratch for the grad_weight below: one dW tile per worker (the provider's
-  // own threads count as one), each about 4 MiB (rounded_tile_rows).
+  // Scratch for the grad_weight below: one dW tile of about 4 MiB
+  // (rounded_tile_rows; from the shapes alone) per slot, one slot per worker
+  // (the provider's own threads count as one).
   template <class A>
-  std::int64_t weight_gradient_tile_elements(std::int64_t hidden, std::int64_t vocab_local) const {
-    const std::int64_t workers = provider_parallel ? 1 : threads();
+  static constexpr std::int64_t weight_gradient_tile_elements(std::int64_t hidden, std::int64_t vocab_local) {
     const std::int64_t rows = rounded_tile_rows<A>(hidden, vocab_local);
-    return hidden > INT64_MAX / (rows * workers) ? INT64_MAX : workers * rows * hidden;  // saturates
+    return hidden > INT64_MAX / rows ? INT64_MAX : rows * hidden;  // saturates
   }
+  int weight_gradient_tile_slots() const { return provider_parallel ? 1 : threads(); }
 
   // dw += alpha dz^T x into a dw of another element type (adds_weight_gradient_tiles):
   // each tile of vocabulary rows is one GEMM into the worker's scratch, then
@@ -367,15 +368,18 @@ class basic_host {
   }
 
   // With a gradient operand (bf16 operands), each row of dz is computed in
-  // the logit block as always, then rounded once into the operand block
-  // while it is still in cache.
+  // the logit block as always, then rounded once, while it is still in
+  // cache, over the first half of its own row (dz_operand_in_logit_rows: no
+  // operand block, so a chunk holds 4 bytes per logit, not 6).
+  static constexpr bool dz_operand_in_logit_rows = bf16_operands;
+
   template <class A, class I, class O>
   void logit_gradients(const gradient_args<A, I, O>& args) {
     for_rows(args.logits.rows, args.logits.cols, [&](std::int64_t r) {
       A* row = args.logits.row(r);
       logit_gradient_row(args, r, row);
       if constexpr (!std::same_as<O, A>) {
-        detail::convert_span(static_cast<const A*>(row), args.gradient_operand + r * args.logits.ld, args.logits.cols);
+        detail::round_row_to_bf16(row, args.gradient_operand + r * args.gradient_operand_ld, args.logits.cols);
       }
     });
   }

@@ -55,6 +55,26 @@ inline void convert_span(const float* LCE_RESTRICT source, bfloat16* LCE_RESTRIC
   for (; j < n; ++j) target[j] = bfloat16(source[j]);
 }
 
+// convert_span to bf16 where `target` may also start where `source` starts
+// (a row rounded over its own first half): each pack is read before it is
+// written, and the writes (2 bytes per element) trail the reads (4 bytes).
+inline void round_row_to_bf16(const float* source, bfloat16* target, std::int64_t n) {
+  std::int64_t j = 0;
+#if LCE_VECTOR_PACKS
+  constexpr int lanes = pack_lanes<float>;
+  for (; j + lanes <= n; j += lanes) {
+    const bf16_bits_pack bits = round_pack_to_bf16(load_pack(source + j));
+    std::memcpy(static_cast<void*>(target + j), &bits, sizeof bits);
+  }
+#endif
+  for (; j < n; ++j) {
+    float value;
+    std::memcpy(&value, source + j, sizeof value);
+    const bfloat16 rounded(value);
+    std::memcpy(static_cast<void*>(target + j), &rounded, sizeof rounded);
+  }
+}
+
 // target += source, summed in fp32 and rounded once.
 inline void add_span(const float* LCE_RESTRICT source, bfloat16* LCE_RESTRICT target, std::int64_t n) {
   std::int64_t j = 0;
