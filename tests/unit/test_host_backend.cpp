@@ -444,6 +444,36 @@ TEST_CASE_TEMPLATE("dX tiles and widened weight tiles: bitwise identical for 1, 
   }
 }
 
+// A problem with a grad_weight of another type than the compute type (T's
+// own for a 2-byte T, float for double), its row gradients and prefill, and
+// what the fp32 (double) [V, H] accumulator of its dW would hold.
+template <class T>
+struct narrow_gradient_case {
+  using G = std::conditional_t<std::is_same_v<T, double>, float, T>;
+  using O = out_t<T>;
+  problem p;
+  std::vector<double> g, hg, pre;
+  std::size_t accumulator;
+
+  narrow_gradient_case(std::int64_t n, std::int64_t h, std::int64_t v, std::uint64_t seed)
+      : p(make_problem(n, h, v, seed, rounder_for<T>(), 1.0, 0.1, 0.1)),
+        g(random_vector(p.n, seed + 1, -1.0, 1.0, rounder_for<O>())),
+        hg(random_vector(p.n, seed + 2, -0.5, 0.5, rounder_for<O>())),
+        pre(random_vector(p.v * p.h, seed + 3, -1.0, 1.0, rounder_for<G>())),
+        accumulator(static_cast<std::size_t>(p.v * p.h) * sizeof(lce::compute_t<T>)) {}
+
+  // What a forward alone holds: the sweep's buffer, nothing for dW.
+  std::size_t forward_held_bytes(const lce::options& opt) const {
+    auto op = make_op<T>(opt, 3);
+    const auto X = make_matrix<T>(p.x, p.n, p.h);
+    const auto W = make_matrix<T>(p.w, p.v, p.h);
+    const auto Y = make_targets<std::int64_t>(p.y);
+    vector_buf<O> lp(p.n), lse(p.n);
+    op.forward(X.cview(), W.cview(), Y.cview(), lp.view(), lse.view());
+    return op.held_workspace_bytes();
+  }
+};
+
 // A call whose tokens fit in one chunk (one rank) sums each vocabulary tile
 // of dW in a per-thread scratch and adds it straight into a grad_weight of
 // another element type than the compute type: no [V_local, H] accumulator.
@@ -453,25 +483,10 @@ TEST_CASE_TEMPLATE("dX tiles and widened weight tiles: bitwise identical for 1, 
 // several chunks still holds one.
 TEST_CASE_TEMPLATE("one-chunk calls add dW tiles straight into a narrower grad_weight: no V x H accumulator", T,
                    lce::bfloat16, lce::float16, double) {
-  using G = std::conditional_t<std::is_same_v<T, double>, float, T>;
-  using O = out_t<T>;
-  using Compute = lce::compute_t<T>;
-  const problem p = make_problem(40, 32, 10001, 31, rounder_for<T>(), 1.0, 0.1, 0.1);
-  const auto g = random_vector(p.n, 32, -1.0, 1.0, rounder_for<O>());
-  const auto hg = random_vector(p.n, 33, -0.5, 0.5, rounder_for<O>());
-  const auto pre = random_vector(p.v * p.h, 34, -1.0, 1.0, rounder_for<G>());
-  const std::size_t accumulator = static_cast<std::size_t>(p.v * p.h) * sizeof(Compute);
-
-  // What a forward alone holds: the sweep's buffer, nothing for dW.
-  const auto sweep_bytes = [&](const lce::options& opt) {
-    auto op = make_op<T>(opt, 3);
-    const auto X = make_matrix<T>(p.x, p.n, p.h);
-    const auto W = make_matrix<T>(p.w, p.v, p.h);
-    const auto Y = make_targets<std::int64_t>(p.y);
-    vector_buf<O> lp(p.n), lse(p.n);
-    op.forward(X.cview(), W.cview(), Y.cview(), lp.view(), lse.view());
-    return op.held_workspace_bytes();
-  };
+  using G = typename narrow_gradient_case<T>::G;
+  const narrow_gradient_case<T> c(40, 32, 10001, 31);
+  const auto& [p, g, hg, pre, accumulator] = c;
+  const auto sweep_bytes = [&](const lce::options& opt) { return c.forward_held_bytes(opt); };
 
   auto one_chunk = make_op<T>(make_options(), 3);
   REQUIRE(one_chunk.chunk_tokens(p.n, p.h, p.v) >= p.n);
@@ -542,14 +557,9 @@ TEST_CASE("convert_span / add_span float -> bf16: the scalar rounding's bits, sp
 // A chunk the user fixed is kept (and so is the accumulator then).
 TEST_CASE_TEMPLATE("narrow grad_weight: one chunk instead of several plus the accumulator when that holds less", T,
                    lce::bfloat16, double) {
-  using G = std::conditional_t<std::is_same_v<T, double>, float, T>;
-  using O = out_t<T>;
-  using Compute = lce::compute_t<T>;
-  const problem p = make_problem(64, 256, 3000, 41, rounder_for<T>(), 1.0, 0.1, 0.1);
-  const auto g = random_vector(p.n, 42, -1.0, 1.0, rounder_for<O>());
-  const auto hg = random_vector(p.n, 43, -0.5, 0.5, rounder_for<O>());
-  const auto pre = random_vector(p.v * p.h, 44, -1.0, 1.0, rounder_for<G>());
-  const std::size_t accumulator = static_cast<std::size_t>(p.v * p.h) * sizeof(Compute);
+  using G = typename narrow_gradient_case<T>::G;
+  const narrow_gradient_case<T> c(64, 256, 3000, 41);
+  const auto& [p, g, hg, pre, accumulator] = c;
 
   // A budget whose chunk is about half the tokens.
   lce::options budget;
@@ -562,13 +572,7 @@ TEST_CASE_TEMPLATE("narrow grad_weight: one chunk instead of several plus the ac
   REQUIRE(chunk >= p.n / 2);
   REQUIRE(chunk < p.n);
 
-  const auto X = make_matrix<T>(p.x, p.n, p.h);
-  const auto W = make_matrix<T>(p.w, p.v, p.h);
-  const auto Y = make_targets<std::int64_t>(p.y);
-  auto forward_only = make_op<T>(budget, 2);
-  vector_buf<O> lp(p.n), lse(p.n);
-  forward_only.forward(X.cview(), W.cview(), Y.cview(), lp.view(), lse.view());
-  const std::size_t budget_sweep = forward_only.held_workspace_bytes();
+  const std::size_t budget_sweep = c.forward_held_bytes(budget);
 
   auto op = make_op<T>(budget, 2);
   const auto o = exercise<T, G>(op, p, g, hg, pre);
