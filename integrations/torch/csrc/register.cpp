@@ -244,11 +244,15 @@ std::tuple<at::Tensor, at::Tensor> target_set_logprobs_backward_cuda(
   no_cuda_yet();
 }
 
-// lce's report, with what runs this package's bf16 GEMMs (torch_gemm.hpp).
+// lce's report, with what runs this package's GEMMs (torch_gemm.hpp). Slow OpenBLAS
+// kernels are no warning here when MKL runs the fp32/fp64 GEMMs instead.
 std::string blas_info_line() {
   lce::blas_report report = lce::blas_info();
   report.bf16_gemm = torch_gemm::bf16_description();
-  return report.line();
+  const std::string full = torch_gemm::full_precision_description();
+  if (full.empty()) return report.line();
+  report.slow = false;
+  return report.line() + "; fp32/fp64 GEMMs: " + full;
 }
 
 }  // namespace

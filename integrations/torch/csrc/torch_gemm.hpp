@@ -1,7 +1,13 @@
 #pragma once
 // The GEMM provider of lce_torch's operators (lce/host/gemm_provider.hpp).
 //
-// fp32 and fp64: the CBLAS lce links (OpenBLAS), as lce::cblas_gemm.
+// fp32 and fp64: the sgemm/dgemm of that same MKL where lce's OpenBLAS would
+// run slower kernels than the CPU has (lce::blas_info() says "slow": an
+// OpenBLAS 0.3.21 that does not know this CPU model falls back to SSE3
+// kernels, 4x slower, and a library user cannot set OPENBLAS_CORETYPE after
+// `import torch`), or where LCE_TORCH_FP32_BLAS=mkl asks for it; otherwise the
+// CBLAS lce links (OpenBLAS), as lce::cblas_gemm. LCE_TORCH_FP32_BLAS=openblas
+// keeps OpenBLAS. blas_info says which runs.
 // bfloat16: the bf16 x bf16 -> fp32 GEMM of the MKL that PyTorch's x86 wheels
 // carry inside libtorch_cpu (cblas_gemm_bf16bf16f32: AMX or AVX512-BF16
 // kernels where the CPU has them, fp32 accumulation), the library PyTorch's
@@ -21,6 +27,7 @@
 // oversubscribe the cores that torch.set_num_threads gave lce.
 
 #include <lce/lce.hpp>
+#include <lce/host/blas_info.hpp>
 #include <lce/host/detail/widening_bf16_gemm.hpp>
 
 #include <dlfcn.h>
@@ -38,11 +45,19 @@ namespace detail {
 using mkl_bf16_gemm_fn = void (*)(int layout, int trans_a, int trans_b, int m, int n, int k, float alpha,
                                   const std::uint16_t* a, int lda, const std::uint16_t* b, int ldb, float beta,
                                   float* c, int ldc);
+// The Fortran (column-major, LP64) GEMMs: libtorch_cpu exports these, not cblas_sgemm.
+template <class A>
+using mkl_fortran_gemm_fn = void (*)(const char* trans_a, const char* trans_b, const int* m, const int* n,
+                                     const int* k, const A* alpha, const A* a, const int* lda, const A* b,
+                                     const int* ldb, const A* beta, A* c, const int* ldc);
 using mkl_set_threads_local_fn = int (*)(int);
 using mkl_version_fn = void (*)(char*, int);
 
 struct torch_mkl {
   mkl_bf16_gemm_fn bf16_gemm = nullptr;
+  mkl_fortran_gemm_fn<float> sgemm = nullptr;   // set only when fp32/fp64 GEMMs go to MKL
+  mkl_fortran_gemm_fn<double> dgemm = nullptr;
+  std::string full_gemm_reason;  // why fp32/fp64 GEMMs go to MKL ("" when they do not)
   mkl_set_threads_local_fn set_threads_local = nullptr;
   std::string version;
 
@@ -61,7 +76,11 @@ struct torch_mkl {
     m.bf16_gemm = reinterpret_cast<mkl_bf16_gemm_fn>(dlsym(torch_cpu, "cblas_gemm_bf16bf16f32"));
     // The C entry (by value); mkl_set_num_threads_local is the Fortran one (by pointer).
     m.set_threads_local = reinterpret_cast<mkl_set_threads_local_fn>(dlsym(torch_cpu, "MKL_Set_Num_Threads_Local"));
-    if (!m.set_threads_local) m.bf16_gemm = nullptr;  // without it each call would start MKL's own threads
+    if (!m.set_threads_local) {  // without it each call would start MKL's own threads
+      m.bf16_gemm = nullptr;
+      return m;
+    }
+    m.choose_full_precision_gemm(torch_cpu);
     if (auto version = reinterpret_cast<mkl_version_fn>(dlsym(torch_cpu, "MKL_Get_Version_String"))) {
       char text[198] = {};
       version(text, static_cast<int>(sizeof text) - 1);
@@ -69,7 +88,36 @@ struct torch_mkl {
     }
     return m;
   }
+
+  void choose_full_precision_gemm(void* torch_cpu) {
+    const char* asked = std::getenv("LCE_TORCH_FP32_BLAS");
+    const std::string choice = asked ? asked : "";
+    if (choice == "openblas") return;
+    if (choice == "mkl") {
+      full_gemm_reason = "LCE_TORCH_FP32_BLAS=mkl";
+    } else {
+      const lce::blas_report own = lce::blas_info();
+      if (!own.slow) return;
+      full_gemm_reason = own.reason;
+    }
+    sgemm = reinterpret_cast<mkl_fortran_gemm_fn<float>>(dlsym(torch_cpu, "sgemm_"));
+    dgemm = reinterpret_cast<mkl_fortran_gemm_fn<double>>(dlsym(torch_cpu, "dgemm_"));
+    if (!sgemm || !dgemm) sgemm = nullptr, dgemm = nullptr, full_gemm_reason.clear();
+  }
 };
+
+// Row-major C = op(A) op(B) is column-major C^T = op(B)^T op(A)^T: the same call with the
+// operands and extents swapped.
+template <class A>
+void column_major_gemm(mkl_fortran_gemm_fn<A> fn, mkl_set_threads_local_fn set_threads, lce::transpose ta,
+                       lce::transpose tb, int m, int n, int k, A alpha, const A* a, int lda, const A* b, int ldb,
+                       A beta, A* c, int ldc) {
+  if (m <= 0 || n <= 0) return;
+  const char op_a = ta == lce::transpose::yes ? 'T' : 'N', op_b = tb == lce::transpose::yes ? 'T' : 'N';
+  const int previous = set_threads(1);
+  fn(&op_b, &op_a, &n, &m, &k, &alpha, b, &ldb, a, &lda, &beta, c, &ldc);
+  set_threads(previous);
+}
 
 }  // namespace detail
 
@@ -81,6 +129,16 @@ struct torch_gemm {
     requires std::same_as<A, float> || std::same_as<A, double>
   void gemm(lce::transpose ta, lce::transpose tb, std::int64_t m, std::int64_t n, std::int64_t k, A alpha,
             const A* a, std::int64_t lda, const A* b, std::int64_t ldb, A beta, A* c, std::int64_t ldc) const {
+    const auto& mkl = detail::torch_mkl::get();
+    if constexpr (std::same_as<A, float>) {
+      if (mkl.sgemm)
+        return detail::column_major_gemm(mkl.sgemm, mkl.set_threads_local, ta, tb, extent(m), extent(n), extent(k),
+                                         alpha, a, extent(lda), b, extent(ldb), beta, c, extent(ldc));
+    } else {
+      if (mkl.dgemm)
+        return detail::column_major_gemm(mkl.dgemm, mkl.set_threads_local, ta, tb, extent(m), extent(n), extent(k),
+                                         alpha, a, extent(lda), b, extent(ldb), beta, c, extent(ldc));
+    }
     lce::detail::gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
 
@@ -104,6 +162,13 @@ struct torch_gemm {
                   reinterpret_cast<const std::uint16_t*>(a), extent(lda), reinterpret_cast<const std::uint16_t*>(b),
                   extent(ldb), beta, c, extent(ldc));
     mkl.set_threads_local(previous);
+  }
+
+  // What runs the fp32/fp64 GEMMs when it is not lce's BLAS ("" when it is), for blas_info.
+  static std::string full_precision_description() {
+    const auto& mkl = detail::torch_mkl::get();
+    if (!mkl.sgemm) return "";
+    return "MKL's sgemm/dgemm from libtorch_cpu (" + mkl.full_gemm_reason + ")";
   }
 
   // What runs the bf16 GEMMs, for blas_info.

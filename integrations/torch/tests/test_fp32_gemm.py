@@ -1,0 +1,92 @@
+"""fp32/fp64 GEMMs of lce_torch (csrc/torch_gemm.hpp): lce's OpenBLAS, or the sgemm/dgemm of
+the MKL inside libtorch_cpu where that OpenBLAS runs kernels slower than the CPU allows
+(LCE_TORCH_FP32_BLAS=mkl or =openblas forces a choice; it is read once per process, so each
+choice runs in a child). All three GEMMs of a chunk (logits x W^T, dz W, dz^T x) take part,
+so a swapped operand, transpose or leading dimension is off by O(1) against the reference."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import lce_torch
+from conftest import GRAD_TOL, TOL, make, reference
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+HAS_MKL = torch.backends.mkl.is_available() and os.uname().machine == "x86_64"
+
+# One problem with a ragged chunk and an ignored target; results saved as float64.
+SCRIPT = r"""
+import sys, torch, lce_torch
+sys.path.insert(0, {here!r})
+from conftest import make
+torch.set_num_threads(2)
+dtype = getattr(torch, sys.argv[2])
+h, w, y = make(150, 96, 3001, dtype, seed=7, ignore=(3,), scale=2.0)
+h.requires_grad_(True); w.requires_grad_(True)
+logp, ent = lce_torch.linear_logprobs(h, w, y, with_entropy=True, chunk_tokens=64)
+(logp.sum() * 0.5 + (ent * torch.linspace(-1, 1, ent.numel(), dtype=dtype)).sum()).backward()
+torch.save(dict(info=lce_torch.blas_info(), logp=logp.detach().double(), ent=ent.detach().double(),
+                dh=h.grad.double(), dw=w.grad.double()), sys.argv[1])
+"""
+
+
+def run_child(path, dtype, choice):
+    env = dict(os.environ)
+    env.pop("LCE_TORCH_FP32_BLAS", None)
+    if choice:
+        env["LCE_TORCH_FP32_BLAS"] = choice
+    subprocess.run([sys.executable, "-c", SCRIPT.format(here=HERE), path, str(dtype).split(".")[1]], check=True,
+                   env=env, timeout=300)
+    return torch.load(path)
+
+
+def reference_results(dtype):
+    h, w, y = make(150, 96, 3001, dtype, seed=7, ignore=(3,), scale=2.0)
+    hr, wr = h.double().requires_grad_(True), w.double().requires_grad_(True)
+    logp, _, ent = reference(hr, wr, y)
+    (logp.sum() * 0.5 + (ent * torch.linspace(-1, 1, ent.numel(), dtype=dtype).double()).sum()).backward()
+    return dict(logp=logp.detach(), ent=ent.detach(), dh=hr.grad, dw=wr.grad)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("choice", ["mkl", "openblas"])
+def test_each_fp32_gemm_provider_matches_the_float64_reference(tmp_path, dtype, choice):
+    if choice == "mkl" and not HAS_MKL:
+        pytest.skip("no MKL in this torch: fp32 GEMMs always run on lce's BLAS")
+    got = run_child(str(tmp_path / "out.pt"), dtype, choice)
+    assert ("fp32/fp64 GEMMs: MKL's sgemm/dgemm" in got["info"]) == (choice == "mkl"), got["info"]
+    want = reference_results(dtype)
+    for key in ("logp", "ent"):
+        torch.testing.assert_close(got[key], want[key], **TOL[dtype])
+    for key in ("dh", "dw"):
+        torch.testing.assert_close(got[key], want[key], **GRAD_TOL[dtype])
+
+
+def cpu_flags():
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return []
+
+
+@pytest.mark.parametrize("kernels", ["Prescott", "matching"])
+def test_default_runs_mkl_exactly_when_openblas_kernels_are_slow(tmp_path, monkeypatch, kernels):
+    """OPENBLAS_CORETYPE picks OpenBLAS's kernels in the child: SSE3 ones on an AVX2/AVX-512 CPU
+    must send fp32 to MKL; the CPU's own class must keep OpenBLAS."""
+    flags = cpu_flags()
+    if not HAS_MKL or "avx2" not in flags:
+        pytest.skip("needs x86-64 with AVX2 and a torch with MKL")
+    coretype = kernels if kernels == "Prescott" else ("SkylakeX" if "avx512f" in flags else "Haswell")
+    monkeypatch.setenv("OPENBLAS_CORETYPE", coretype)
+    got = run_child(str(tmp_path / "out.pt"), torch.float32, None)
+    if f"kernels {coretype} " not in got["info"]:
+        pytest.skip(f"this OpenBLAS does not take OPENBLAS_CORETYPE: {got['info']}")
+    on_mkl = "fp32/fp64 GEMMs: MKL's sgemm/dgemm" in got["info"]
+    assert on_mkl == (kernels == "Prescott"), got["info"]
+    assert "SLOW" not in got["info"], got["info"]
+    want = reference_results(torch.float32)
+    for key in ("dh", "dw"):
+        torch.testing.assert_close(got[key], want[key], **GRAD_TOL[torch.float32])
