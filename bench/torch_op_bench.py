@@ -12,7 +12,8 @@ mean cross-entropy of an LM head, hidden [N, H] -> logits [N, V] -> loss.
 
 For each dtype (float32, bfloat16), vocabulary V and thread count (torch.set_num_threads,
 which lce's op follows too), the time of forward + backward (best of --reps after a
-warm-up; wall and process CPU time) and the peak extra memory: the growth of the peak RSS
+warm-up, the paths interleaved rep by rep; wall (min and median) and process CPU time)
+and the peak extra memory: the growth of the peak RSS
 (VmHWM, reset through /proc/self/clear_refs) over the RSS before the call, less the
 gradients dX and dW every path returns. Large allocations go straight to mmap
 (MALLOC_MMAP_THRESHOLD_, set by re-executing), so freed memory leaves the RSS.
@@ -24,6 +25,7 @@ import argparse
 import gc
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
@@ -113,12 +115,12 @@ def main():
         "hidden": args.hidden,
     }
     print(f"torch {info['torch']}; {info['blas']}")
-    print(f"N = {args.tokens} tokens, H = {args.hidden}; best of {args.reps} after a warm-up; "
+    print(f"N = {args.tokens} tokens, H = {args.hidden}; best of {args.reps} interleaved after a warm-up; "
           f"load average at start {info['load_average'][0]:.1f}")
     results = []
-    header = (f"| dtype | V | threads | path | fwd+bwd wall s | CPU s | peak extra MiB | loss |")
+    header = (f"| dtype | V | threads | path | fwd+bwd wall s (min) | median | CPU s | peak extra MiB | loss |")
     print(header)
-    print("|---|---:|---:|---|---:|---:|---:|---:|")
+    print("|---|---:|---:|---|---:|---:|---:|---:|---:|")
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         for v in [int(s) for s in args.vocab.split(",")]:
@@ -129,20 +131,24 @@ def main():
             small = (x[:256].detach().clone().requires_grad_(True), w, y[:256])
             for threads in [int(s) for s in args.threads.split(",")]:
                 torch.set_num_threads(threads)
-                for name in args.variants.split(","):
-                    fn = VARIANTS[name]
-                    run_once(fn, *small)  # warm-up: lazy initialisation, thread pools
-                    best = None
-                    for _ in range(args.reps):
-                        r = run_once(fn, x, w, y)
-                        if best is None or r[1] < best[1]:
-                            best = r
-                    loss, wall, cpu, extra, notes = best
+                names = args.variants.split(",")
+                for name in names:
+                    run_once(VARIANTS[name], *small)  # warm-up: lazy initialisation, thread pools
+                # Interleaved (plain, ..., lce, plain, ...): a slow spell of a shared machine
+                # lands on every path, not on one path's block of repetitions.
+                runs = {name: [] for name in names}
+                for _ in range(args.reps):
+                    for name in names:
+                        runs[name].append(run_once(VARIANTS[name], x, w, y))
+                for name in names:
+                    loss, wall, cpu, extra, notes = min(runs[name], key=lambda r: r[1])
+                    median = statistics.median(r[1] for r in runs[name])
                     row = dict(dtype=dtype_name, vocab=v, hidden=args.hidden, tokens=args.tokens, threads=threads,
-                               path=name, wall_s=wall, cpu_s=cpu, peak_extra_bytes=extra, loss=loss, notes=notes)
+                               path=name, wall_s=wall, median_wall_s=median, cpu_s=cpu, peak_extra_bytes=extra,
+                               loss=loss, notes=notes)
                     results.append(row)
                     note = f" ({'; '.join(notes)})" if notes else ""
-                    print(f"| {dtype_name} | {v} | {threads} | {name} | {wall:.3f} | {cpu:.3f} | "
+                    print(f"| {dtype_name} | {v} | {threads} | {name} | {wall:.3f} | {median:.3f} | {cpu:.3f} | "
                           f"{extra / 2**20:.0f} | {loss:.4f} |{note}", flush=True)
             del x, w, y, small
             gc.collect()

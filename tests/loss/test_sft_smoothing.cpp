@@ -59,7 +59,7 @@ TEST_CASE("sft with label smoothing: one sweep, loss equals the materialised def
   const lce::matrix_view<const double> W{w.data(), V, H};
 
   for (const auto reduction : {lce::loss_reduction::token_mean, lce::loss_reduction::sequence_mean}) {
-    for (const auto [eps, z_loss] : {std::pair{0.0, 0.0}, {0.1, 0.0}, {0.4, 0.0}, {0.0, 0.05}, {0.1, 0.02}}) {
+    for (const auto& [eps, z_loss] : {std::pair{0.0, 0.0}, {0.1, 0.0}, {0.4, 0.0}, {0.0, 0.05}, {0.1, 0.02}}) {
       CAPTURE(eps);
       CAPTURE(z_loss);
       CAPTURE(int(reduction));

@@ -16,8 +16,8 @@
 // query functions), so it tells what is really loaded, whatever cblas.h was
 // compiled against: OpenBLAS (openblas_get_config / openblas_get_corename),
 // BLIS (bli_info_get_version_str / bli_arch_string) or MKL (MKL_Get_Version).
-// Standalone: it needs nothing of lce but this file, and lce's other headers do
-// not include it.
+// It needs nothing of lce but config.hpp. lce's default GEMM provider
+// (cblas_gemm.hpp) includes it for the one-time warning below.
 
 #include <lce/core/config.hpp>
 #if LCE_HOST_BF16_GEMM_ONEDNN
@@ -365,6 +365,17 @@ inline bool check_blas_kernels(std::ostream& out, bool enabled = true) {
   return r.slow;
 }
 inline bool check_blas_kernels() { return check_blas_kernels(std::cerr); }
+
+namespace detail {
+// lce's default GEMM provider (cblas_gemm) calls this before each fp32/fp64 GEMM: the
+// first call in the process prints check_blas_kernels' warning on std::cerr, so slow
+// kernels are never silent for a library user who did not ask (LCE_NO_BLAS_WARNING=1
+// hides it). Later calls cost one initialised-static check.
+inline void warn_once_if_blas_kernels_slow() {
+  static const bool checked = (check_blas_kernels(std::cerr), true);
+  (void)checked;
+}
+}  // namespace detail
 
 // For programs: when the BLAS is an OpenBLAS running slow kernels that
 // OPENBLAS_CORETYPE can fix, and neither OPENBLAS_CORETYPE nor LCE_NO_REEXEC is

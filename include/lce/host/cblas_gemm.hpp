@@ -2,10 +2,13 @@
 // lce's default GEMM provider (see gemm_provider.hpp): the CBLAS lce links
 // (OpenBLAS, BLIS, MKL, ...), one single-threaded call per GEMM tile, and with
 // LCE_BF16_GEMM=onednn (LCE_HOST_BF16_GEMM_ONEDNN) oneDNN's bf16 x bf16 -> fp32
-// matmul for bfloat16 weights on CPUs with bf16 instructions.
+// matmul for bfloat16 weights on CPUs with bf16 instructions. Its first GEMM in a
+// process warns once on std::cerr when the BLAS runs kernels below the CPU's class
+// (blas_info.hpp; LCE_NO_BLAS_WARNING=1 hides it).
 
 #include <lce/core/config.hpp>
 #include <lce/core/dtypes.hpp>
+#include <lce/host/blas_info.hpp>
 #include <lce/host/detail/blas.hpp>
 #include <lce/host/gemm_provider.hpp>
 #if LCE_HOST_BF16_GEMM_ONEDNN
@@ -25,6 +28,7 @@ struct cblas_gemm {
     requires std::same_as<A, float> || std::same_as<A, double>
   void gemm(transpose ta, transpose tb, std::int64_t m, std::int64_t n, std::int64_t k, A alpha, const A* a,
             std::int64_t lda, const A* b, std::int64_t ldb, A beta, A* c, std::int64_t ldc) const {
+    detail::warn_once_if_blas_kernels_slow();
     detail::gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
 
