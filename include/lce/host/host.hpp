@@ -21,6 +21,7 @@
 #include <lce/core/views.hpp>
 #include <lce/host/cblas_gemm.hpp>
 #include <lce/host/detail/convert.hpp>
+#include <lce/host/detail/huge_pages.hpp>
 #include <lce/host/detail/row_passes.hpp>
 #include <lce/host/detail/thread_pool.hpp>
 #include <lce/host/gemm_provider.hpp>
@@ -107,7 +108,12 @@ class basic_host {
   // checks its arguments against this before any work.
   static constexpr std::int64_t max_gemm_extent = INT_MAX;
 
-  void* allocate(std::size_t bytes) { return ::operator new(bytes, std::align_val_t{alignment}); }
+  // Large blocks get transparent huge pages where the kernel offers them (detail/huge_pages.hpp).
+  void* allocate(std::size_t bytes) {
+    void* block = ::operator new(bytes, std::align_val_t{alignment});
+    detail::advise_huge_pages(block, bytes);
+    return block;
+  }
   void deallocate(void* pointer, std::size_t) { ::operator delete(pointer, std::align_val_t{alignment}); }
 
   // ---- GEMMs ----------------------------------------------------------------

@@ -98,6 +98,14 @@ inline rows_view as_rows(const at::Tensor& x, const char* name) {
   return {m, rows, cols, ld};
 }
 
+// grad_weight, zeroed for the operator's +=: a fresh [V, H] block, so it asks for huge
+// pages before the zeroing touches it (one fault per 2 MiB, not per 4 KiB).
+inline at::Tensor zeroed_weight_gradient(std::int64_t rows, std::int64_t cols, const at::TensorOptions& options) {
+  at::Tensor dw = at::empty({rows, cols}, options.memory_format(at::MemoryFormat::Contiguous));
+  lce::detail::advise_huge_pages(dw.data_ptr(), dw.nbytes());
+  return dw.zero_();
+}
+
 // A 1-D unit-stride tensor of the same elements (per-token vectors; small).
 inline at::Tensor as_vector(const at::Tensor& x) {
   at::Tensor v = x.reshape({-1});
@@ -300,7 +308,7 @@ std::function<std::tuple<at::Tensor, at::Tensor>()> kernels<TorchT>::backward(
     }
   }
   at::Tensor dx = at::empty(hidden.sizes(), hidden.options().memory_format(at::MemoryFormat::Contiguous));
-  at::Tensor dw = at::zeros({w.rows, w.cols}, weight.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor dw = zeroed_weight_gradient(w.rows, w.cols, weight.options());
   const rows_view gx = as_rows(dx, "grad_hidden"), gw = as_rows(dw, "grad_weight");
   return [=]() -> std::tuple<at::Tensor, at::Tensor> {
     workspace_release<op_of<TorchT>> release{*op};
@@ -332,7 +340,7 @@ kernels<TorchT>::forward_backward(const at::Tensor& hidden, const at::Tensor& we
   at::Tensor logp = at::empty(targets.sizes(), out), lse = at::empty(targets.sizes(), out);
   at::Tensor mean = with_mean_logit ? at::empty(targets.sizes(), out) : at::empty({0}, out);
   at::Tensor dx = at::empty(hidden.sizes(), hidden.options().memory_format(at::MemoryFormat::Contiguous));
-  at::Tensor dw = at::zeros({w.rows, w.cols}, weight.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor dw = zeroed_weight_gradient(w.rows, w.cols, weight.options());
   const rows_view gx = as_rows(dx, "grad_hidden"), gw = as_rows(dw, "grad_weight");
   return [=]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> {
     workspace_release<op_of<TorchT>> release{*op};
@@ -445,7 +453,7 @@ std::function<std::tuple<at::Tensor, at::Tensor>()> kernels<TorchT>::set_backwar
     }
   }
   at::Tensor dx = at::empty(hidden.sizes(), hidden.options().memory_format(at::MemoryFormat::Contiguous));
-  at::Tensor dw = at::zeros({w.rows, w.cols}, weight.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor dw = zeroed_weight_gradient(w.rows, w.cols, weight.options());
   const rows_view gx = as_rows(dx, "grad_hidden"), gw = as_rows(dw, "grad_weight");
   return [=]() -> std::tuple<at::Tensor, at::Tensor> {
     workspace_release<op_of<TorchT>> release{*op};
