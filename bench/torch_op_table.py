@@ -1,0 +1,57 @@
+#!/usr/bin/env python3
+"""Markdown tables from bench/torch_op_bench.py's JSON, as the README shows them.
+
+  python bench/torch_op_table.py docs/plots/torch_op_bench.json [more.json ...]
+
+One row per (dtype, V, N, threads): each path's best wall time and peak extra memory
+(the fastest in bold), then lce's time over the plain path's (best of the interleaved
+repetitions, and their medians) and the plain path's extra memory over lce's.
+"""
+import json
+import sys
+
+ORDER = ["plain", "torch_chunked", "lce", "lce_2sweep", "lce_32mib"]
+TITLES = {"plain": "plain", "torch_chunked": "torch_chunked", "lce": "lce", "lce_2sweep": "lce 2-sweep",
+          "lce_32mib": "lce 32 MiB"}
+
+
+def table(results):
+    rows = {}
+    for r in results:
+        rows.setdefault((r["dtype"], r["vocab"], r["tokens"], r["threads"]), {})[r["path"]] = r
+    paths = [p for p in ORDER if any(p in cells for cells in rows.values())]
+    lines = ["| dtype | V | N | threads | " + " | ".join(TITLES[p] for p in paths) +
+             " | lce / plain time (min; median) | plain / lce memory |",
+             "|---|---:|---:|---:|" + "---:|" * len(paths) + "---:|---:|"]
+    for (dtype, v, n, threads), cells in rows.items():
+        fastest = min(c["wall_s"] for c in cells.values())
+        shown = []
+        for p in paths:
+            c = cells.get(p)
+            if c is None:
+                shown.append("")
+                continue
+            text = f"{c['wall_s']:.2f} s, {c['peak_extra_bytes'] / 2**20:.0f} MiB"
+            shown.append(f"**{text}**" if c["wall_s"] == fastest else text)
+        lce, plain = cells.get("lce"), cells.get("plain")
+        ratio = memory = ""
+        if lce and plain:
+            ratio = f"{lce['wall_s'] / plain['wall_s']:.2f}"
+            if "median_wall_s" in lce and "median_wall_s" in plain:
+                ratio += f"; {lce['median_wall_s'] / plain['median_wall_s']:.2f}"
+            memory = f"{plain['peak_extra_bytes'] / max(lce['peak_extra_bytes'], 1):.1f}x"
+        lines.append(f"| {dtype} | {v:,} | {n:,} | {threads} | " + " | ".join(shown) + f" | {ratio} | {memory} |")
+    return "\n".join(lines)
+
+
+def main():
+    for path in sys.argv[1:]:
+        with open(path) as f:
+            data = json.load(f)
+        print(f"<!-- {path}: {data['info'].get('blas', '')[:80]}... -->")
+        print(table(data["results"]))
+        print()
+
+
+if __name__ == "__main__":
+    main()
