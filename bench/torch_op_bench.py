@@ -18,7 +18,7 @@ and the peak extra memory: the growth of the peak RSS
 gradients dX and dW every path returns. Large allocations go straight to mmap
 (MALLOC_MMAP_THRESHOLD_, set by re-executing), so freed memory leaves the RSS.
 
-  python bench/torch_op_bench.py [--hidden 1024] [--vocab 32000,128256] [--tokens 2048]
+  python bench/torch_op_bench.py [--hidden 1024] [--vocab 32000,128256] [--tokens 1024,8192]
                                  [--threads 1,2] [--dtypes float32,bfloat16] [--reps 1] [--json out.json]
 """
 import argparse
@@ -96,7 +96,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--vocab", default="32000,128256")
-    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--tokens", default="2048", help="token counts N, comma-separated")
     p.add_argument("--threads", default="1,2")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"any of {','.join(VARIANTS)}")
@@ -111,23 +111,23 @@ def main():
                          or "BLAS_INFO" in l or "MKL" in l[:40]],
         "cpus": os.cpu_count(),
         "load_average": os.getloadavg(),
-        "tokens": args.tokens,
+        "tokens": [int(n) for n in args.tokens.split(",")],
         "hidden": args.hidden,
     }
     print(f"torch {info['torch']}; {info['blas']}")
     print(f"N = {args.tokens} tokens, H = {args.hidden}; best of {args.reps} interleaved after a warm-up; "
           f"load average at start {info['load_average'][0]:.1f}")
     results = []
-    header = (f"| dtype | V | threads | path | fwd+bwd wall s (min) | median | CPU s | peak extra MiB | loss |")
+    header = (f"| dtype | V | N | threads | path | fwd+bwd wall s (min) | median | CPU s | peak extra MiB | loss |")
     print(header)
-    print("|---|---:|---:|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|")
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
-        for v in [int(s) for s in args.vocab.split(",")]:
+        for v, tokens in [(int(v), int(n)) for v in args.vocab.split(",") for n in args.tokens.split(",")]:
             g = torch.Generator().manual_seed(0)
-            x = (torch.randn(args.tokens, args.hidden, generator=g)).to(dtype).requires_grad_(True)
+            x = (torch.randn(tokens, args.hidden, generator=g)).to(dtype).requires_grad_(True)
             w = (torch.randn(v, args.hidden, generator=g) * args.hidden**-0.5).to(dtype).requires_grad_(True)
-            y = torch.randint(0, v, (args.tokens,), generator=g)
+            y = torch.randint(0, v, (tokens,), generator=g)
             small = (x[:256].detach().clone().requires_grad_(True), w, y[:256])
             for threads in [int(s) for s in args.threads.split(",")]:
                 torch.set_num_threads(threads)
@@ -143,12 +143,12 @@ def main():
                 for name in names:
                     loss, wall, cpu, extra, notes = min(runs[name], key=lambda r: r[1])
                     median = statistics.median(r[1] for r in runs[name])
-                    row = dict(dtype=dtype_name, vocab=v, hidden=args.hidden, tokens=args.tokens, threads=threads,
+                    row = dict(dtype=dtype_name, vocab=v, hidden=args.hidden, tokens=tokens, threads=threads,
                                path=name, wall_s=wall, median_wall_s=median, cpu_s=cpu, peak_extra_bytes=extra,
                                loss=loss, notes=notes)
                     results.append(row)
                     note = f" ({'; '.join(notes)})" if notes else ""
-                    print(f"| {dtype_name} | {v} | {threads} | {name} | {wall:.3f} | {median:.3f} | {cpu:.3f} | "
+                    print(f"| {dtype_name} | {v} | {tokens} | {threads} | {name} | {wall:.3f} | {median:.3f} | {cpu:.3f} | "
                           f"{extra / 2**20:.0f} | {loss:.4f} |{note}", flush=True)
             del x, w, y, small
             gc.collect()
