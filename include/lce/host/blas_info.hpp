@@ -367,7 +367,7 @@ inline bool check_blas_kernels(std::ostream& out, bool enabled = true) {
 inline bool check_blas_kernels() { return check_blas_kernels(std::cerr); }
 
 namespace detail {
-// lce's default GEMM provider (cblas_gemm) calls this before each fp32/fp64 GEMM: the
+// lce's default GEMM provider (cblas_gemm) calls this as each operator call begins: the
 // first call in the process prints check_blas_kernels' warning on std::cerr, so slow
 // kernels are never silent for a library user who did not ask (LCE_NO_BLAS_WARNING=1
 // hides it). Later calls cost one initialised-static check.

@@ -2,8 +2,8 @@
 // lce's default GEMM provider (see gemm_provider.hpp): the CBLAS lce links
 // (OpenBLAS, BLIS, MKL, ...), one single-threaded call per GEMM tile, and with
 // LCE_BF16_GEMM=onednn (LCE_HOST_BF16_GEMM_ONEDNN) oneDNN's bf16 x bf16 -> fp32
-// matmul for bfloat16 weights on CPUs with bf16 instructions. Its first GEMM in a
-// process warns once on std::cerr when the BLAS runs kernels below the CPU's class
+// matmul for bfloat16 weights on CPUs with bf16 instructions. Its first operator
+// call in a process warns once on std::cerr when the BLAS runs kernels below the CPU's class
 // (blas_info.hpp; LCE_NO_BLAS_WARNING=1 hides it).
 
 #include <lce/core/config.hpp>
@@ -21,14 +21,16 @@
 LCE_BEGIN_NAMESPACE
 
 struct cblas_gemm {
-  // One BLAS thread per call while lce runs (detail::single_threaded_blas).
-  using call_scope = detail::single_threaded_blas;
+  // One BLAS thread per call while lce runs (detail::single_threaded_blas), and the
+  // process's one slow-kernel warning at the first call (not per GEMM).
+  struct call_scope : detail::single_threaded_blas {
+    call_scope() { detail::warn_once_if_blas_kernels_slow(); }
+  };
 
   template <class A>
     requires std::same_as<A, float> || std::same_as<A, double>
   void gemm(transpose ta, transpose tb, std::int64_t m, std::int64_t n, std::int64_t k, A alpha, const A* a,
             std::int64_t lda, const A* b, std::int64_t ldb, A beta, A* c, std::int64_t ldc) const {
-    detail::warn_once_if_blas_kernels_slow();
     detail::gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
 

@@ -122,7 +122,8 @@ void column_major_gemm(mkl_fortran_gemm_fn<A> fn, mkl_set_threads_local_fn set_t
 }  // namespace detail
 
 struct torch_gemm {
-  using call_scope = lce::cblas_gemm::call_scope;  // OpenBLAS: one thread per call while lce runs
+  // OpenBLAS: one thread per call while lce runs; no slow-kernel warning (MKL takes over then).
+  using call_scope = lce::detail::single_threaded_blas;
   static constexpr bool bf16_operands = true;
 
   template <class A>

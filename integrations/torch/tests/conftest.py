@@ -1,4 +1,5 @@
 import os
+import subprocess
 import sys
 import warnings
 
@@ -56,3 +57,28 @@ GRAD_TOL = {
     torch.bfloat16: dict(atol=1e-2, rtol=1e-2),
     torch.float16: dict(atol=2e-3, rtol=2e-3),
 }
+
+
+# A float64 saved by a child: options read once per process (LCE_TORCH_NO_MKL,
+# LCE_TORCH_FP32_BLAS) take one child per setting. `script` gets the output path as
+# sys.argv[1] and `args` after it; `env` entries set (or, with None, remove) variables.
+def run_child(script, path, env, *args):
+    child_env = dict(os.environ)
+    for key, value in env.items():
+        if value is None:
+            child_env.pop(key, None)
+        else:
+            child_env[key] = value
+    subprocess.run([sys.executable, "-c", script, path, *args], check=True, env=child_env, timeout=300)
+    return torch.load(path)
+
+
+def reference_row_gradients(problem, dtype):
+    """float64 logp, entropy and the gradients of 0.5 sum(logp) + sum(linspace(-1, 1) * entropy)
+    for make(*problem[:3], dtype, **problem[3]) — the loss the children back-propagate."""
+    n, h, v, kw = problem
+    hidden, weight, targets = make(n, h, v, dtype, **kw)
+    hr, wr = hidden.double().requires_grad_(True), weight.double().requires_grad_(True)
+    logp, _, ent = reference(hr, wr, targets)
+    (logp.sum() * 0.5 + (ent * torch.linspace(-1, 1, ent.numel(), dtype=torch.float64)).sum()).backward()
+    return dict(logp=logp.detach(), ent=ent.detach(), dh=hr.grad, dw=wr.grad)

@@ -3,14 +3,12 @@ the libtorch_cpu this process loaded, or, without it, bf16 widened to fp32 for O
 (LCE_TORCH_NO_MKL=1 forces that path). Both give the float64 reference's gradients to
 within dz's rounding to bf16, and each other's to within the outputs' bf16 rounding."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import lce_torch
-from conftest import make, reference
+from conftest import reference_row_gradients, run_child
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -29,21 +27,16 @@ torch.save(dict(info=lce_torch.blas_info(), logp=logp.detach().double(), ent=ent
 """
 
 
-def run_child(path, no_mkl):
-    env = dict(os.environ)
-    env.pop("LCE_TORCH_NO_MKL", None)
-    if no_mkl:
-        env["LCE_TORCH_NO_MKL"] = "1"
-    subprocess.run([sys.executable, "-c", SCRIPT.format(here=HERE), path], check=True, env=env, timeout=300)
-    return torch.load(path)
+PROBLEM = (150, 96, 3000, dict(seed=5, ignore=(4,), scale=2.0))
+
+
+def run_bf16_child(path, no_mkl):
+    return run_child(SCRIPT.format(here=HERE), path, {"LCE_TORCH_NO_MKL": "1" if no_mkl else None})
 
 
 def reference_gradients():
-    h, w, y = make(150, 96, 3000, torch.bfloat16, seed=5, ignore=(4,), scale=2.0)
-    hr, wr = h.double().requires_grad_(True), w.double().requires_grad_(True)
-    logp, _, ent = reference(hr, wr, y)
-    (logp.sum() * 0.5 + (ent * torch.linspace(-1, 1, ent.numel(), dtype=torch.float64)).sum()).backward()
-    return logp.detach(), ent.detach(), hr.grad, wr.grad
+    r = reference_row_gradients(PROBLEM, torch.bfloat16)
+    return r["logp"], r["ent"], r["dh"], r["dw"]
 
 
 def relative_error(a, b):
@@ -60,7 +53,7 @@ def test_blas_info_names_the_bf16_gemm():
 
 @pytest.mark.parametrize("no_mkl", [False, True], ids=["mkl", "widened"])
 def test_bf16_gemm_paths_match_the_float64_reference(tmp_path, no_mkl):
-    got = run_child(str(tmp_path / "out.pt"), no_mkl)
+    got = run_bf16_child(str(tmp_path / "out.pt"), no_mkl)
     assert ("widened to fp32" in got["info"]) == (no_mkl or "cblas_gemm_bf16bf16f32" not in got["info"])
     rl, rent, rdh, rdw = reference_gradients()
     # Forward: fp32 from exact bf16 products, so to fp32 rounding.
@@ -75,8 +68,8 @@ def test_bf16_gemm_paths_match_the_float64_reference(tmp_path, no_mkl):
 def test_mkl_and_widened_paths_agree(tmp_path):
     if not (torch.backends.mkl.is_available() and os.uname().machine == "x86_64"):
         pytest.skip("no MKL in this torch: only the widened path exists")
-    mkl = run_child(str(tmp_path / "mkl.pt"), False)
-    widened = run_child(str(tmp_path / "widened.pt"), True)
+    mkl = run_bf16_child(str(tmp_path / "mkl.pt"), False)
+    widened = run_bf16_child(str(tmp_path / "widened.pt"), True)
     assert "cblas_gemm_bf16bf16f32" in mkl["info"] and "widened to fp32" in widened["info"]
     # Same products, same dz rounding; only the fp32 summation order differs.
     torch.testing.assert_close(mkl["logp"], widened["logp"], atol=1e-5, rtol=1e-5)

@@ -4,14 +4,12 @@ the MKL inside libtorch_cpu where that OpenBLAS runs kernels slower than the CPU
 choice runs in a child). All three GEMMs of a chunk (logits x W^T, dz W, dz^T x) take part,
 so a swapped operand, transpose or leading dimension is off by O(1) against the reference."""
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import lce_torch
-from conftest import GRAD_TOL, TOL, make, reference
+from conftest import GRAD_TOL, TOL, reference_row_gradients, run_child
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HAS_MKL = torch.backends.mkl.is_available() and os.uname().machine == "x86_64"
@@ -32,22 +30,15 @@ torch.save(dict(info=lce_torch.blas_info(), logp=logp.detach().double(), ent=ent
 """
 
 
-def run_child(path, dtype, choice):
-    env = dict(os.environ)
-    env.pop("LCE_TORCH_FP32_BLAS", None)
-    if choice:
-        env["LCE_TORCH_FP32_BLAS"] = choice
-    subprocess.run([sys.executable, "-c", SCRIPT.format(here=HERE), path, str(dtype).split(".")[1]], check=True,
-                   env=env, timeout=300)
-    return torch.load(path)
+PROBLEM = (150, 96, 3001, dict(seed=7, ignore=(3,), scale=2.0))
+
+
+def run_fp_child(path, dtype, choice):
+    return run_child(SCRIPT.format(here=HERE), path, {"LCE_TORCH_FP32_BLAS": choice}, str(dtype).split(".")[1])
 
 
 def reference_results(dtype):
-    h, w, y = make(150, 96, 3001, dtype, seed=7, ignore=(3,), scale=2.0)
-    hr, wr = h.double().requires_grad_(True), w.double().requires_grad_(True)
-    logp, _, ent = reference(hr, wr, y)
-    (logp.sum() * 0.5 + (ent * torch.linspace(-1, 1, ent.numel(), dtype=dtype).double()).sum()).backward()
-    return dict(logp=logp.detach(), ent=ent.detach(), dh=hr.grad, dw=wr.grad)
+    return reference_row_gradients(PROBLEM, dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -55,7 +46,7 @@ def reference_results(dtype):
 def test_each_fp32_gemm_provider_matches_the_float64_reference(tmp_path, dtype, choice):
     if choice == "mkl" and not HAS_MKL:
         pytest.skip("no MKL in this torch: fp32 GEMMs always run on lce's BLAS")
-    got = run_child(str(tmp_path / "out.pt"), dtype, choice)
+    got = run_fp_child(str(tmp_path / "out.pt"), dtype, choice)
     assert ("fp32/fp64 GEMMs: MKL's sgemm/dgemm" in got["info"]) == (choice == "mkl"), got["info"]
     want = reference_results(dtype)
     for key in ("logp", "ent"):
@@ -81,7 +72,7 @@ def test_default_runs_mkl_exactly_when_openblas_kernels_are_slow(tmp_path, monke
         pytest.skip("needs x86-64 with AVX2 and a torch with MKL")
     coretype = kernels if kernels == "Prescott" else ("SkylakeX" if "avx512f" in flags else "Haswell")
     monkeypatch.setenv("OPENBLAS_CORETYPE", coretype)
-    got = run_child(str(tmp_path / "out.pt"), torch.float32, None)
+    got = run_fp_child(str(tmp_path / "out.pt"), torch.float32, None)
     if f"kernels {coretype} " not in got["info"]:
         pytest.skip(f"this OpenBLAS does not take OPENBLAS_CORETYPE: {got['info']}")
     on_mkl = "fp32/fp64 GEMMs: MKL's sgemm/dgemm" in got["info"]
