@@ -6,55 +6,6 @@
 
 using namespace lce_test;
 
-namespace {
-
-// dX, dW of L = sum_i g_i logp_i + hg_i ent_i + q_i lse_i + m_i mean_i,
-// materialised: the g and hg parts from reference_backward, the others here
-// (dlse/dz = p, dmean/dz = 1/V; ignored rows contribute nothing).
-gradients reference_with_terms(const problem& p, const forward_result& r, const std::vector<double>& g,
-                               const std::vector<double>& hg, const std::vector<double>& q,
-                               const std::vector<double>& m) {
-  gradients out = reference_backward(p, r, g, hg);
-  for (std::int64_t i = 0; i < p.n; ++i) {
-    if (p.ignored(i)) continue;
-    for (std::int64_t j = 0; j < p.v; ++j) {
-      const real prob = std::exp(r.z[i * p.v + j] - r.lse[i]);
-      const real dz = (q.empty() ? 0 : static_cast<real>(q[i]) * prob) +
-                      (m.empty() ? 0 : static_cast<real>(m[i]) / static_cast<real>(p.v));
-      const real ds = dz * r.dzds[i * p.v + j];
-      for (std::int64_t k = 0; k < p.h; ++k) {
-        out.dx[i * p.h + k] += static_cast<double>(ds * static_cast<real>(p.w[j * p.h + k]));
-        out.dw[j * p.h + k] += static_cast<double>(ds * static_cast<real>(p.x[i * p.h + k]));
-      }
-    }
-  }
-  return out;
-}
-
-std::vector<double> reference_mean_logit(const problem& p, const forward_result& r) {
-  std::vector<double> mean(static_cast<std::size_t>(p.n), 0.0);
-  for (std::int64_t i = 0; i < p.n; ++i) {
-    if (p.ignored(i)) continue;
-    real sum = 0;
-    for (std::int64_t j = 0; j < p.v; ++j) sum += r.z[i * p.v + j];
-    mean[static_cast<std::size_t>(i)] = static_cast<double>(sum / static_cast<real>(p.v));
-  }
-  return mean;
-}
-
-// |got - want| <= tol (1 + |want|) over a gradient, relative to its largest element.
-template <class G>
-comparison compare_gradient(const std::string& what, const matrix_buf<G>& got, const std::vector<double>& want,
-                            double tol) {
-  const double scale = 1 + max_abs(want);
-  return compare(
-      what, got.rows * got.cols, [&](std::int64_t k) { return got.get(k / got.cols, k % got.cols); },
-      [&](std::int64_t k) { return want[static_cast<std::size_t>(k)]; },
-      [&](std::int64_t, double) { return tol * scale; });
-}
-
-}  // namespace
-
 TEST_CASE_TEMPLATE("backward with row_gradients: dL/dlse (z-loss) and dL/d(mean logit) match the reference", T,
                    float, double, lce::bfloat16) {
   using O = out_t<T>;

@@ -66,6 +66,18 @@ concept adds_weight_gradient_tiles =
       b.grad_weight(operand, operand, alpha, dw, scratch);
     };
 
+// Optional: dx = alpha dz w + beta dx, beta 0 or 1. With it and the dW
+// tiles above, a call on one rank can take all its tokens at once and the
+// vocabulary a tile at a time (the engine's vocabulary order): each tile's
+// share of dX is summed into one [N, H] block in order, and each tile of dW
+// is final when its GEMM ends, so the [V_local, H] accumulator of a
+// 2-byte grad_weight is replaced by an [N, H] one (smaller when N < V_local).
+template <class B, class O, class T, class A>
+concept adds_grad_hidden =
+    requires(B& b, matrix_view<const O> dz, matrix_view<const T> w, A alpha, matrix_view<A> dx, void* block) {
+      b.grad_hidden(dz, w, alpha, dx, block, alpha);
+    };
+
 // Optional: dw = alpha dz^T x + beta dw on the [V_local, H] accumulator of a
 // call of several chunks, and with `round_into` (the last chunk) each
 // finished vocabulary tile of dw added into that grad_weight of element G

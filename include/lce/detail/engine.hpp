@@ -185,12 +185,14 @@ class engine {
     return plan_for(n_tokens, hidden, vocab_local, 0, set_size).chunk;
   }
 
-  // The buffer of a sweep plus the [V_local, H] accumulator in the compute
-  // type that a grad_weight of another element type needs (dW across chunks
-  // accumulates in fp32, or double for T = double): any T but float allows
-  // one. A call that is one chunk on one rank needs only the backend's dW
-  // tiles instead, where it has them (adds_weight_gradient_tiles).
-  // Raises lce::error if it does not fit in size_t.
+  // The most an operator holds over every kind of call: the larger of its
+  // sweeps' buffers (a forward's, and the sweep of a call with a grad_weight
+  // of another element type than the compute type, which any T but float
+  // allows), plus that call's dW scratch: the [V_local, H] accumulator in the
+  // compute type (dW across chunks accumulates in fp32, or double for T =
+  // double), or only the backend's dW tiles for a call that is one chunk on
+  // one rank or sweeps the vocabulary order (adds_weight_gradient_tiles,
+  // vocabulary_tiles_plan). Raises lce::error if it does not fit in size_t.
   std::size_t workspace_bytes(std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local,
                               std::int64_t set_size = 0) const {
     check_sizes("workspace_bytes", n_tokens, hidden, vocab_local, set_size);
@@ -200,8 +202,8 @@ class engine {
       total = checked_size(plan_for(n_tokens, hidden, vocab_local, 0, set_size).bytes);
     } else {
       const auto gradient = gradient_plan_for<NarrowGradWeight>(n_tokens, hidden, vocab_local, set_size);
-      total = checked_size(gradient.plan.bytes) + weight_gradient_scratch_bytes<NarrowGradWeight>(gradient, hidden,
-                                                                                                   vocab_local);
+      const std::size_t sweep = std::max(gradient.plan.bytes, plan_for(n_tokens, hidden, vocab_local, 0, set_size).bytes);
+      total = checked_size(sweep) + weight_gradient_scratch_bytes<NarrowGradWeight>(gradient, hidden, vocab_local);
     }
     expects(!total.overflow, "workspace_bytes: the dW accumulator of vocab_local ", vocab_local, " x hidden ",
             hidden, " needs more bytes than size_t holds");
@@ -264,6 +266,30 @@ class engine {
     [[maybe_unused]] const auto backend_call = begin_backend_call();
     const auto weight_gradient = begin_weight_gradient(call, grad_weight);
     sweep_type sweep(comm_, backend_, options_, call.plan, call.workspace, call.vocab);
+    if (call.vocab_tile > 0) {
+      if constexpr (backend_sweeps_vocabulary_tiles<GradWeight>) {
+        sweep.run(in, [&](const auto& whole) {
+          using Chunk_ = std::remove_cvref_t<decltype(whole)>;
+          sweep.gather_rows(whole, lse, row_lse);
+          auto args = gather_given(sweep, whole, grads);
+          if (grads.has_entropy) {
+            // E_p[z] - lse: each tile's share, summed in vocabulary order (one more sweep of logits).
+            for_vocabulary_tiles(sweep, whole, call.vocab_tile, [&](const Chunk_& tile, bool first_tile) {
+              sweep.recompute_logits(tile);
+              backend_.mean_centred_logits(mean_centred_logit_args<Compute, typename Chunk_::index>{
+                  tile.logits, tile.targets, options_.ignore_index, whole.row(row_lse),
+                  whole.row(first_tile ? row_mean_centred : row_mean_logit)});
+              if (!first_tile)
+                backend_.add(matrix_view<const Compute>{whole.row(row_mean_logit), 1, whole.rows, whole.rows},
+                             matrix_view<Compute>{whole.row(row_mean_centred), 1, whole.rows, whole.rows});
+            });
+            args.mean_centred_logit = whole.row(row_mean_centred);
+          }
+          gradient_by_vocabulary_tiles(sweep, whole, call.vocab_tile, args, grad_hidden, weight_gradient, grad_bias);
+        });
+      }
+      return;
+    }
     sweep.run(in, [&](const auto& c) {
       using Chunk_ = std::remove_cvref_t<decltype(c)>;
       sweep.recompute_logits(c);
@@ -321,6 +347,23 @@ class engine {
     // A target set's logits are read after the statistics pass: no exp left in the block then.
     const bool keep_exp = reuses_exp_block<Backend>() && !sweep.scaling().soft_cap.enabled() && !with_entropy &&
                           in.set_size == 0;
+    if (call.vocab_tile > 0) {
+      if constexpr (backend_sweeps_vocabulary_tiles<GradWeight>) {
+        // The logits twice: every row's lse is known only after the last tile.
+        sweep.run(in, [&](const auto& whole) {
+          using Chunk_ = std::remove_cvref_t<decltype(whole)>;
+          for_vocabulary_tiles(sweep, whole, call.vocab_tile, [&](const Chunk_& tile, bool first_tile) {
+            sweep.tile_statistics(tile, first_tile, with_entropy, out.has_mean_logit);
+          });
+          sweep.finish_tile_statistics(whole, with_entropy, out.has_mean_logit);
+          scatter_outputs(sweep, whole, out);
+          auto args = gather_given(sweep, whole, grads);
+          if (grads.has_entropy) args.mean_centred_logit = whole.row(row_mean_centred);
+          gradient_by_vocabulary_tiles(sweep, whole, call.vocab_tile, args, grad_hidden, weight_gradient, grad_bias);
+        });
+      }
+      return;
+    }
     sweep.run(in, [&](const auto& c) {
       begin_target_set(sweep, c, grads);
       sweep.forward_statistics(c, with_entropy, keep_exp, out.has_mean_logit);
@@ -335,6 +378,33 @@ class engine {
   }
 
  private:
+  // ---- the vocabulary order (vocabulary_tiles_plan) ------------------------------
+
+  template <class Chunk_, class Body>
+  static void for_vocabulary_tiles(sweep_type& sweep, const Chunk_& whole, std::int64_t vocab_tile, Body&& body) {
+    const std::int64_t vocab_local = whole.weight.rows;
+    for (std::int64_t first = 0; first < vocab_local; first += vocab_tile)
+      body(sweep.vocabulary_tile(whole, first, std::min(vocab_tile, vocab_local - first)), first == 0);
+  }
+
+  // dz tile by tile (the logits again), each tile's dW final at once and its
+  // share of dX summed in vocabulary order: into grad_hidden itself when it
+  // has the compute type, else into the plan's [N, H] stage, converted at the end.
+  template <class Chunk_, class Args, class GradHidden, class GradWeight>
+  void gradient_by_vocabulary_tiles(sweep_type& sweep, const Chunk_& whole, std::int64_t vocab_tile, const Args& args,
+                                    const matrix_view<GradHidden>& grad_hidden,
+                                    const weight_gradient_sink<Compute, GradWeight>& weight_gradient,
+                                    const vector_view<Compute>& grad_bias) {
+    matrix_view<Compute> sum = whole.grad_hidden_stage;
+    if constexpr (std::same_as<GradHidden, Compute>) sum = grad_hidden;
+    for_vocabulary_tiles(sweep, whole, vocab_tile, [&](const Chunk_& tile, bool first_tile) {
+      sweep.recompute_logits(tile);
+      backend_.logit_gradients(sweep.gradient_of_tile(args, tile));
+      sweep.propagate_tile(tile, first_tile, sum, weight_gradient, grad_bias);
+    });
+    if constexpr (!std::same_as<GradHidden, Compute>) backend_.copy(matrix_view<const Compute>(sum), grad_hidden);
+  }
+
   // What steps 1-3 hand to the sweep.
   struct prepared_call {
     workspace_plan<Compute> plan;
@@ -343,6 +413,7 @@ class engine {
     // or (tiles_into_grad_weight) the backend's per-thread dW tiles.
     Compute* weight_gradient_scratch = nullptr;
     bool tiles_into_grad_weight = false;
+    std::int64_t vocab_tile = 0;            // > 0: the vocabulary order (vocabulary_tiles_plan)
     std::int64_t vocab = 0;                 // the whole vocabulary V
   };
 
@@ -537,6 +608,7 @@ class engine {
           const auto gradient = gradient_plan_for<G>(in.tokens(), in.hidden.cols, in.weight.rows, in.set_size);
           call.plan = gradient.plan;
           call.tiles_into_grad_weight = gradient.tiles_into_grad_weight;
+          call.vocab_tile = gradient.vocab_tile;
           call.workspace = workspace_.reserve(backend_, call.plan.bytes, "workspace");
           const checked_size dw_bytes = weight_gradient_scratch_bytes<G>(gradient, in.hidden.cols, in.weight.rows);
           expects(!dw_bytes.overflow, "grad_weight: the fp32 scratch of its dW for vocab_local ", in.weight.rows,
@@ -713,6 +785,7 @@ class engine {
   struct gradient_plan {
     workspace_plan<Compute> plan;
     bool tiles_into_grad_weight = false;
+    std::int64_t vocab_tile = 0;  // > 0: the vocabulary order, this many weight rows at a time
   };
 
   // The plan of a call that writes a grad_weight of element G (not the
@@ -720,35 +793,113 @@ class engine {
   // the [V_local, H] accumulator on top of its chunk; when all its tokens
   // in one chunk, with the backend's dW tiles, hold no more than that, the
   // call takes them in one chunk: less memory, and no accumulator to fill,
-  // sum into and read back.
+  // sum into and read back. Then, where the vocabulary order holds less
+  // still than the token order so chosen (one chunk over the budget, or
+  // several and the accumulator), the call sweeps that way
+  // (vocabulary_tiles_plan). A call whose tokens fit the budget's chunk keeps
+  // the token order: one chunk, 3 GEMMs in a forward_backward. Each side is weighed with one dW
+  // tile (from the shapes alone), so that the plan, and with it the bits,
+  // never depend on the thread count.
   template <class G>
   gradient_plan gradient_plan_for(std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local,
                                   std::int64_t set_size) const {
     gradient_plan result{plan_for(n_tokens, hidden, vocab_local, 0, set_size)};
+    const bool budget_decides = !fixed_chunk_policy<Chunk> && options_.chunk_tokens <= 0;
+    const auto one_tile = [&](std::int64_t vocab) {
+      return checked_size::of(static_cast<std::int64_t>(
+                 std::min<std::size_t>(weight_gradient_tile_elements<G>(hidden, vocab), INT64_MAX))) *
+             sizeof(Compute);
+    };
     if (one_chunk_without_accumulator<G>(n_tokens, result.plan)) {
+      // Every token in one chunk within the budget: the fewest GEMMs, nothing to weigh.
       result.tiles_into_grad_weight = true;
       return result;
     }
-    const bool budget_decides = !fixed_chunk_policy<Chunk> && options_.chunk_tokens <= 0;
     if (!budget_decides || n_tokens < 1 || n_tokens > message_row_limit(hidden, set_size)) return result;
     const auto shape = shape_of(hidden, vocab_local, set_size);
-    const checked_size tiles = checked_size::of(static_cast<std::int64_t>(
-                                   std::min<std::size_t>(weight_gradient_tile_elements<G>(hidden, vocab_local),
-                                                         INT64_MAX))) * sizeof(Compute);
     const checked_size one = workspace_plan<Compute>::fixed_bytes(shape) +
-                             checked_size::of(n_tokens) * workspace_plan<Compute>::bytes_per_token(shape) + tiles;
+                             checked_size::of(n_tokens) * workspace_plan<Compute>::bytes_per_token(shape) +
+                             one_tile(vocab_local);
     const checked_size several = checked_size(result.plan.bytes) +
                                  checked_size::of(vocab_local) * checked_size::of(hidden) * sizeof(Compute);
-    if (one.overflow || (!several.overflow && one.value > several.value)) return result;
-    const auto whole = workspace_plan<Compute>::make(shape, n_tokens);
-    if (one_chunk_without_accumulator<G>(n_tokens, whole)) result = {whole, true};
+    checked_size held = several;
+    if (!one.overflow && (several.overflow || one.value <= several.value)) {
+      const auto whole = workspace_plan<Compute>::make(shape, n_tokens);
+      if (one_chunk_without_accumulator<G>(n_tokens, whole)) {
+        result = {whole, true};
+        held = one;
+      }
+    }
+    if (set_size == 0) {
+      const auto tiled = vocabulary_tiles_plan<G>(n_tokens, hidden, vocab_local);
+      if (tiled.vocab_tile > 0) {
+        const checked_size tiled_held = checked_size(tiled.plan.bytes) + one_tile(tiled.vocab_tile);
+        if (!tiled_held.overflow && (held.overflow || tiled_held.value < held.value)) return tiled;
+      }
+    }
     return result;
+  }
+
+  // Whether this backend can sweep the vocabulary order for a grad_weight of element G.
+  template <class G>
+  static constexpr bool backend_sweeps_vocabulary_tiles =
+      adds_grad_hidden<Backend, Operand, T, Compute> && backend_adds_weight_gradient_tiles<G>;
+
+  // The vocabulary order of a call on one rank: every token in one chunk, the
+  // vocabulary `vocab_tile` weight rows at a time (whole cache lines, at
+  // least vocabulary_tile_floor rows): the largest tile whose plan fits
+  // options.workspace_limit_bytes and whose logit block stays within
+  // vocabulary_tile_block_bytes. It holds an [N, H] sum of dX in the compute
+  // type where the token order holds the [V_local, H] dW accumulator (or all
+  // of [N, V_local] in one chunk), and costs the forward_backward one more
+  // GEMM (the logits before and after every row's lse is known). The block
+  // bound is for speed: its row passes then run near the cache, which on
+  // the CPU repays that GEMM (bf16, N = 1,024, V = 128,256, one thread:
+  // 1.99 s with 16 MiB blocks, 3.40 s with two blocks of 256 MiB, 1.95 s for
+  // the token order's one chunk of 525 MB). vocab_tile = 0: not available here
+  // (several ranks, a backend without adds_grad_hidden, or a tile as wide
+  // as the shard).
+  static constexpr std::int64_t vocabulary_tile_floor = 256;
+  static constexpr std::size_t vocabulary_tile_block_bytes = std::size_t{16} << 20;
+
+  template <class G>
+  gradient_plan vocabulary_tiles_plan(std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local) const {
+    if constexpr (!backend_sweeps_vocabulary_tiles<G>) {
+      return {};
+    } else {
+      if (comm_.size() != 1 || n_tokens < 1 || vocab_local <= vocabulary_tile_floor) return {};
+      const auto plan_of = [&](std::int64_t tile) {
+        auto shape = shape_of(hidden, tile);
+        shape.ranks = 2;  // two exchange records: the running merge and the tile's
+        return workspace_plan<Compute>::make(shape, n_tokens);
+      };
+      constexpr std::int64_t line = static_cast<std::int64_t>(workspace_alignment / sizeof(Compute));
+      const std::size_t limit = options_.workspace_limit_bytes;
+      const auto smallest = plan_of(vocabulary_tile_floor);
+      std::int64_t tile = vocabulary_tile_floor;
+      if (smallest.bytes < limit) {
+        // Each vocabulary column adds a column of n_tokens to the logit block (and to dz's own block).
+        const std::size_t per_column =
+            static_cast<std::size_t>(n_tokens) * (sizeof(Compute) + shape_of(hidden, vocab_local).gradient_operand_bytes);
+        const auto extra = static_cast<std::int64_t>(
+            std::min<std::size_t>((limit - smallest.bytes) / per_column, static_cast<std::size_t>(vocab_local)));
+        tile = std::min(vocab_local, (vocabulary_tile_floor + extra) / line * line);
+        while (tile > vocabulary_tile_floor && plan_of(tile).bytes > limit) tile -= line;
+      }
+      const auto block_columns = static_cast<std::int64_t>(
+          vocabulary_tile_block_bytes / (static_cast<std::size_t>(n_tokens) * sizeof(Compute)));
+      tile = std::max(vocabulary_tile_floor, std::min(tile, block_columns / line * line));
+      if (tile >= vocab_local) return {};
+      return {plan_of(tile), true, tile};
+    }
   }
 
   // The bytes of a call's dW scratch beside its plan: the backend's tiles, or the accumulator.
   template <class G>
   checked_size weight_gradient_scratch_bytes(const gradient_plan& gradient, std::int64_t hidden,
                                              std::int64_t vocab_local) const {
+    // The vocabulary order hands the backend one vocabulary tile at a time (its dW tiles grow with the shard).
+    if (gradient.vocab_tile > 0) vocab_local = gradient.vocab_tile;
     if (gradient.tiles_into_grad_weight)
       return checked_size::of(static_cast<std::int64_t>(weight_gradient_tile_elements<G>(hidden, vocab_local))) *
              weight_gradient_tile_slots<G>() * sizeof(Compute);

@@ -76,6 +76,7 @@ struct chunk {
   int segments = 1;
   std::int64_t segment_rows = 0;
   std::int64_t local_tokens = 0;    // hidden rows per rank (sequence parallel)
+  std::int64_t vocab_first = 0;     // first weight row of the block's columns (a vocabulary tile), else 0
   matrix_view<const Operand> hidden;  // [rows, H] in the GEMMs' operand type
   matrix_view<const T> weight;        // [V_local, H]
   vector_view<const T> bias;          // [V_local] or empty
@@ -218,9 +219,7 @@ class chunk_sweep {
   void forward_statistics(const chunk<T, Compute, Operand, Index>& c, bool with_entropy, bool keep_exp,
                           bool with_mean_logit = false) {
     compute_logits(c);
-    backend_.row_statistics(statistics_args<Compute, Index>{c.logits, c.targets, options_.vocab_start,
-                                                            options_.ignore_index, scaling_.soft_cap, with_entropy,
-                                                            keep_exp, with_mean_logit, c.partials});
+    row_statistics(c, with_entropy, keep_exp, with_mean_logit, c.partials);
     if (c.set_size > 0) backend_.target_set_logits(target_set(c), c.rows);
     const row_partial<Compute>* merged = c.partials;
     Compute* set_logits = c.set_logits;
@@ -240,19 +239,88 @@ class chunk_sweep {
       }
     }
 
-    backend_.finalize_rows(finalize_args<Compute, Index>{merged, c.targets, options_.ignore_index,
-                                                         c.row(row_logprobs), c.row(row_lse),
-                                                         with_entropy ? c.row(row_entropy) : nullptr,
-                                                         with_entropy ? c.row(row_mean_centred) : nullptr,
-                                                         with_mean_logit ? c.row(row_mean_logit) : nullptr,
-                                                         inverse_vocab_},
-                           c.rows);
+    finalize_rows(c, merged, with_entropy, with_mean_logit);
     if (c.set_size > 0) {
       auto args = target_set(c);
       args.values = set_logits;
       args.lse = c.row(row_lse);
       args.out = c.set_logprobs;
       backend_.target_set_logprobs(args, c.rows);
+    }
+  }
+
+  // ---- the vocabulary order (engine: vocabulary_tiles) ------------------------
+  // One rank, every token in one chunk (`whole`, from run() with a plan of
+  // local_chunk = N), the vocabulary `tile` weight rows at a time: the logit
+  // block holds [N, tile]. The plan has two exchange records in `gathered`:
+  // the running merge of the row partials and the current tile's.
+
+  // The chunk `whole` narrowed to weight rows [first, first + count).
+  template <class Index>
+  chunk<T, Compute, Operand, Index> vocabulary_tile(const chunk<T, Compute, Operand, Index>& whole, std::int64_t first,
+                                                    std::int64_t count) const {
+    auto c = whole;
+    c.vocab_first = first;
+    c.weight = whole.weight.rows_slice(first, count);
+    if (whole.bias.size) c.bias = whole.bias.slice(first, count);
+    c.logits = {whole.logits.data, whole.rows, count, plan_.logits_ld};
+    if constexpr (dz_in_own_block) c.dz_operand = {whole.dz_operand.data, whole.rows, count, whole.dz_operand.ld};
+    return c;
+  }
+
+  // The tile's logits and their row partials, merged into the running ones
+  // (the first tile's become them). Tiles are merged in vocabulary order.
+  template <class Index>
+  void tile_statistics(const chunk<T, Compute, Operand, Index>& tile, bool first_tile, bool with_entropy,
+                       bool with_mean_logit) {
+    compute_logits(tile);
+    const std::int64_t record = workspace_plan<Compute>::exchange_record(tile.rows, 0).value;
+    row_statistics(tile, with_entropy, /*keep_exp=*/false, with_mean_logit,
+                   first_tile ? tile.gathered : tile.gathered + record);
+    if (!first_tile) backend_.merge_partials(tile.gathered, 2, tile.rows, record, tile.gathered);
+  }
+
+  // Log-prob, lse, entropy (and mean logit) of every row from the merged partials.
+  template <class Index>
+  void finish_tile_statistics(const chunk<T, Compute, Operand, Index>& whole, bool with_entropy,
+                              bool with_mean_logit) {
+    finalize_rows(whole, whole.gathered, with_entropy, with_mean_logit);
+  }
+
+  // The gradient pass's arguments (from gradient_base of `whole`, the rows
+  // gathered) pointed at a tile's block.
+  template <class Index>
+  gradient_args<Compute, Index, Operand> gradient_of_tile(gradient_args<Compute, Index, Operand> args,
+                                                          const chunk<T, Compute, Operand, Index>& tile) const {
+    args.logits = tile.logits;
+    args.vocab_start = options_.vocab_start + tile.vocab_first;
+    if constexpr (dz_in_own_block) {
+      args.gradient_operand = tile.dz_operand.data;
+      args.gradient_operand_ld = tile.dz_operand.ld;
+    }
+    return args;
+  }
+
+  // dz of a tile -> its share of dX, summed into `grad_hidden_sum` ([N, H] in
+  // the compute type; the first tile overwrites it), and its rows of dW, final
+  // (added into grad_weight through the backend's tiles), and of db.
+  template <class Index, class GradWeight>
+  void propagate_tile(const chunk<T, Compute, Operand, Index>& tile, bool first_tile,
+                      const matrix_view<Compute>& grad_hidden_sum,
+                      const weight_gradient_sink<Compute, GradWeight>& weight_gradient,
+                      const vector_view<Compute>& grad_bias = {}) {
+    if constexpr (adds_grad_hidden<Backend, Operand, T, Compute> &&
+                  adds_weight_gradient_tiles<Backend, Operand, Compute, GradWeight>) {
+      const matrix_view<const Operand> dz = dz_of(tile);
+      const Compute alpha = scaling_.temperature_scale;
+      const std::int64_t first = tile.vocab_first, count = tile.logits.cols;
+      if (grad_bias.size) backend_.column_sums(dz, alpha, grad_bias.slice(first, count));
+      backend_.grad_hidden(dz, tile.weight, alpha, grad_hidden_sum, tile.weight_block,
+                           first_tile ? Compute(0) : Compute(1));
+      backend_.grad_weight(dz, tile.hidden, alpha, weight_gradient.grad_weight.rows_slice(first, count),
+                           weight_gradient.tile_scratch);
+    } else {
+      static_assert(sizeof(GradWeight) == 0, "the vocabulary order needs adds_grad_hidden and adds_weight_gradient_tiles");
     }
   }
 
@@ -263,7 +331,7 @@ class chunk_sweep {
     target_set_args<Compute, Index> args;
     args.ids = c.set_ids;
     args.set_size = c.set_size;
-    args.vocab_start = options_.vocab_start;
+    args.vocab_start = options_.vocab_start + c.vocab_first;
     args.ignore_index = options_.ignore_index;
     args.stand_ins = const_cast<Index*>(c.targets.data);  // the chunk's own scratch (plan.targets)
     args.logits = c.logits;
@@ -308,7 +376,7 @@ class chunk_sweep {
     gradient_args<Compute, Index, Operand> args;
     args.logits = c.logits;
     args.targets = c.targets;
-    args.vocab_start = options_.vocab_start;
+    args.vocab_start = options_.vocab_start + c.vocab_first;
     args.ignore_index = options_.ignore_index;
     args.soft_cap = scaling_.soft_cap;
     args.lse = c.row(row_lse);
@@ -390,6 +458,26 @@ class chunk_sweep {
 
  private:
   void* at(std::size_t offset) const { return base_ + offset; }
+
+  template <class Index>
+  void row_statistics(const chunk<T, Compute, Operand, Index>& c, bool with_entropy, bool keep_exp,
+                      bool with_mean_logit, row_partial<Compute>* partials) {
+    backend_.row_statistics(statistics_args<Compute, Index>{c.logits, c.targets, options_.vocab_start + c.vocab_first,
+                                                            options_.ignore_index, scaling_.soft_cap, with_entropy,
+                                                            keep_exp, with_mean_logit, partials});
+  }
+
+  template <class Index>
+  void finalize_rows(const chunk<T, Compute, Operand, Index>& c, const row_partial<Compute>* merged,
+                     bool with_entropy, bool with_mean_logit) {
+    backend_.finalize_rows(finalize_args<Compute, Index>{merged, c.targets, options_.ignore_index,
+                                                         c.row(row_logprobs), c.row(row_lse),
+                                                         with_entropy ? c.row(row_entropy) : nullptr,
+                                                         with_entropy ? c.row(row_mean_centred) : nullptr,
+                                                         with_mean_logit ? c.row(row_mean_logit) : nullptr,
+                                                         inverse_vocab_},
+                           c.rows);
+  }
 
   template <class Index, class GradWeight>
   void add_weight_gradient(const chunk<T, Compute, Operand, Index>& c, const matrix_view<const Operand>& dz,

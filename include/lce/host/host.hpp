@@ -177,11 +177,13 @@ class basic_host {
     }
   }
 
-  // dx = alpha dz w (overwrites dx), over tiles of dx (rows x columns, from
-  // the shapes: enough for every thread). A 2-byte weight is widened one
-  // vocabulary tile at a time and each dx tile summed over those in order.
+  // dx = alpha dz w + beta dx (beta 0: overwritten, or 1: adds_grad_hidden),
+  // over tiles of dx (rows x columns, from the shapes: enough for every
+  // thread). A 2-byte weight is widened one vocabulary tile at a time and each
+  // dx tile summed over those in order.
   template <class O, class T, class A>
-  void grad_hidden(matrix_view<const O> dz, matrix_view<const T> w, A alpha, matrix_view<A> dx, void* weight_block) {
+  void grad_hidden(matrix_view<const O> dz, matrix_view<const T> w, A alpha, matrix_view<A> dx, void* weight_block,
+                   A beta = A(0)) {
     if (dx.rows == 0 || dx.cols == 0) return;
     [[maybe_unused]] const provider_scope scope;
     const output_tiling tiles(dx.rows, dx.cols, tile_target);
@@ -189,17 +191,17 @@ class basic_host {
       for_gemm_tiles(tiles.count(), [&](std::int64_t t) {
         const auto [r0, rows, c0, cols] = tiles.tile(t);
         operand_gemm(transpose::no, transpose::no, rows, cols, w.rows, alpha, dz.row(r0), dz.ld, w.data + c0, w.ld,
-                     A(0), dx.row(r0) + c0, dx.ld);
+                     beta, dx.row(r0) + c0, dx.ld);
       });
     } else {
       if constexpr (bf16_weight<A, T>) {
-        if (bf16_grad_hidden(dz, w, alpha, dx, tiles, weight_block)) return;
+        if (bf16_grad_hidden(dz, w, alpha, dx, tiles, weight_block, beta)) return;
       }
       for_widened_tiles(w, weight_block, tiles.count(), /*chained=*/true,
                         [&](matrix_view<const A> block, std::int64_t v0, std::int64_t t) {
                           const auto [r0, rows, c0, cols] = tiles.tile(t);
                           gemm_.gemm(transpose::no, transpose::no, rows, cols, block.rows, alpha,
-                                       dz.row(r0) + v0, dz.ld, block.data + c0, block.ld, v0 == 0 ? A(0) : A(1),
+                                       dz.row(r0) + v0, dz.ld, block.data + c0, block.ld, v0 == 0 ? beta : A(1),
                                        dx.row(r0) + c0, dx.ld);
                         });
     }
@@ -612,14 +614,14 @@ class basic_host {
     return true;
   }
 
-  // dX = alpha dz w from a bf16 weight through the provider's bf16 GEMM. dz (fp32) is kept to
+  // dX = alpha dz w + beta dx from a bf16 weight through the provider's bf16 GEMM. dz (fp32) is kept to
   // 16 significant bits as two bf16 parts, hi = bf16(dz) and lo = bf16(dz - hi),
   // staged one tile of vocabulary columns at a time into the two slots of the
   // weight scratch (for_staged_tiles); each output tile of dX adds hi w + lo w
   // tile after tile, in order. Returns false (dx untouched) when the CPU lacks
   // bf16 GEMMs or the scratch holds too few columns of dz.
   bool bf16_grad_hidden(matrix_view<const float> dz, matrix_view<const bfloat16> w, float alpha,
-                        matrix_view<float> dx, const output_tiling& tiles, void* scratch) {
+                        matrix_view<float> dx, const output_tiling& tiles, void* scratch, float beta) {
     if (w.rows == 0 || dz.rows == 0 || !gemm_.bf16_gemm_available()) return false;
     const std::int64_t capacity = 2 * weight_block_elements<bfloat16>(w.cols, w.rows);  // bf16 elements
     // Two slots, each hi and lo of [dz.rows, tile] (whole cache lines of columns).
@@ -642,7 +644,7 @@ class basic_host {
           const std::int64_t v0 = k * tile, depth = std::min(tile, w.rows - v0);
           const bfloat16* const hi = base + k % 2 * slot;
           gemm_.bf16_gemm(transpose::no, transpose::no, rows, cols, depth, alpha, hi + r0 * tile, tile,
-                          w.row(v0) + c0, w.ld, k > 0 ? 1.0f : 0.0f, dx.row(r0) + c0, dx.ld);
+                          w.row(v0) + c0, w.ld, k > 0 ? 1.0f : beta, dx.row(r0) + c0, dx.ld);
           gemm_.bf16_gemm(transpose::no, transpose::no, rows, cols, depth, alpha, hi + (dz.rows + r0) * tile, tile,
                           w.row(v0) + c0, w.ld, 1.0f, dx.row(r0) + c0, dx.ld);
         });
