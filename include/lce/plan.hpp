@@ -45,7 +45,9 @@
 //                workspace_limit_bytes (the logit block of one chunk, row
 //                statistics, per-chunk collective buffers, and for a 2-byte
 //                dtype the fp32 [V_r, H] accumulator of grad_weight, or
-//                the dW tiles of a call of one chunk on one rank)
+//                the dW tiles of a call of one chunk on one rank, or, for
+//                one rank where it holds less, the vocabulary order's
+//                [S, H] fp32 sum of dX and one vocabulary tile of logits)
 // Not counted: the rest of the model (give it as budget_bytes' complement),
 // the framework's allocator slack, the CUDA context and the collectives
 // library's own buffers, and activations saved by other layers. The lce

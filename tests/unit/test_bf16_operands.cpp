@@ -17,6 +17,7 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <optional>
 
 using namespace lce_test;
 
@@ -219,4 +220,38 @@ TEST_CASE("detail::widening_bf16_gemm equals the bf16 GEMM in plain loops") {
           CHECK(got[m * ldc - 1] == -7.0f);
         }
   }
+}
+
+// The vocabulary order (test_vocabulary_order.cpp) with bf16 operands: dz is
+// rounded to bf16 over the first half of each tile's own fp32 logit rows and
+// the gradient GEMMs read it tile by tile; every result against the
+// reference (within dz's rounding), bitwise the same for 1 and 3 threads.
+TEST_CASE("bf16 operands: the vocabulary order (all tokens at once, the vocabulary a tile at a time)") {
+  using T = lce::bfloat16;
+  const std::int64_t n = 48, h = 32, v = 3001;
+  lce::options budget = make_options(0.8f, 4.0f);
+  budget.workspace_limit_bytes = std::size_t{160} << 10;
+  problem p = make_problem(n, h, v, 91, rounder_for<T>(), 1.0, 0.3, 0.1);
+  p.tau = budget.temperature;
+  p.cap = budget.softcap;
+  const auto g = random_vector(n, 92, -1.0, 1.0, rounder_for<float>());
+  const auto hg = random_vector(n, 93, -0.5, 0.5, rounder_for<float>());
+  const auto pre = random_vector(v * h, 94, -1.0, 1.0, rounder_for<T>());
+
+  auto op = bf16_operands_env::make_op<T>(budget, 3);
+  REQUIRE(op.chunk_tokens(n, h, v) < n);
+  std::optional<outputs<T, T>> result;
+  expect_gemms<T>([&] { result.emplace(exercise<T, T>(op, p, g, hg, pre)); });
+  const auto& tiled = *result;
+  check_against_reference(tiled, p, g, hg, pre, bf16_operands_env::gradient_operand_unit<T>,
+                          bf16_operands_env::gradient_operand_floor<T>);
+  const std::size_t accumulator = static_cast<std::size_t>(v * h) * sizeof(float);
+  const std::size_t one_chunk = static_cast<std::size_t>(n * v) * sizeof(float);
+  CHECK(op.held_workspace_bytes() < accumulator);  // neither the accumulator
+  CHECK(op.held_workspace_bytes() < one_chunk);    // nor every token over the whole vocabulary
+  CHECK(op.workspace_bytes(n, h, v) == op.held_workspace_bytes());
+
+  auto one_thread = bf16_operands_env::make_op<T>(budget, 1);
+  const auto diff = exercise<T, T>(one_thread, p, g, hg, pre).bitwise_diff(tiled);
+  CHECK_MESSAGE(diff.empty(), "host{1} vs host{3}: " << diff);
 }
