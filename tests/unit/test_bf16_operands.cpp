@@ -228,9 +228,9 @@ TEST_CASE("detail::widening_bf16_gemm equals the bf16 GEMM in plain loops") {
 // reference (within dz's rounding), bitwise the same for 1 and 3 threads.
 TEST_CASE("bf16 operands: the vocabulary order (all tokens at once, the vocabulary a tile at a time)") {
   using T = lce::bfloat16;
-  const std::int64_t n = 48, h = 32, v = 3001;
+  const std::int64_t n = 48, h = 64, v = 12001;  // tiles of >= 4,096 rows, a ragged last one
   lce::options budget = make_options(0.8f, 4.0f);
-  budget.workspace_limit_bytes = std::size_t{160} << 10;
+  budget.workspace_limit_bytes = std::size_t{1280} << 10;
   problem p = make_problem(n, h, v, 91, rounder_for<T>(), 1.0, 0.3, 0.1);
   p.tau = budget.temperature;
   p.cap = budget.softcap;

@@ -14,12 +14,16 @@ namespace {
 
 // Shapes where N x H is far below V x H and the budget holds a few
 // vocabulary tiles of every token but not the whole vocabulary.
-constexpr std::int64_t tokens = 48, hidden = 32, vocab = 3001;  // 3001: a ragged last tile
-constexpr std::size_t budget_bytes = std::size_t{256} << 10;
+// (Tiles are at least 4,096 vocabulary rows: vocabulary_tile_min_columns.)
+constexpr std::int64_t tokens = 48, hidden = 64, vocab = 12001;  // 12001: a ragged last tile
+// 1.25 MiB for 4-byte logits (2-byte T), twice that for double's.
+template <class T>
+constexpr std::size_t budget_bytes = (std::size_t{1280} << 10) * sizeof(lce::compute_t<T>) / 4;
 
+template <class T>
 lce::options budget_options(float tau = 1.0f, float cap = 0.0f) {
   lce::options o = make_options(tau, cap);
-  o.workspace_limit_bytes = budget_bytes;
+  o.workspace_limit_bytes = budget_bytes<T>;
   return o;
 }
 
@@ -58,12 +62,12 @@ TEST_CASE_TEMPLATE("vocabulary order: forward, backward with entropy and forward
     const auto hg = random_vector(p.n, 63, -0.5, 0.5, rounder_for<O>());
     const auto pre = random_vector(p.v * p.h, 64, -1.0, 1.0, rounder_for<G>());
 
-    auto op = make_op<T>(budget_options(s.tau, s.cap), 3);
+    auto op = make_op<T>(budget_options<T>(s.tau, s.cap), 3);
     const auto tiled = exercise<T, G>(op, p, g, hg, pre);
     check_against_reference(tiled, p, g, hg, pre);
     check_took_vocabulary_order<decltype(op), T>(op);
 
-    auto one_thread = make_op<T>(budget_options(s.tau, s.cap), 1);
+    auto one_thread = make_op<T>(budget_options<T>(s.tau, s.cap), 1);
     const auto diff = exercise<T, G>(one_thread, p, g, hg, pre).bitwise_diff(tiled);
     CHECK_MESSAGE(diff.empty(), "host{1} vs host{3}: " << diff);
   }
@@ -84,7 +88,7 @@ TEST_CASE_TEMPLATE("vocabulary order: forward_backward with every row term in an
     const std::vector<double> q = random_vector(tokens, 74, 0.0, 0.3);
     const std::vector<double> m = random_vector(tokens, 75, -0.3, 0.0);
 
-    auto op = make_op<T>(budget_options(s.tau, s.cap));
+    auto op = make_op<T>(budget_options<T>(s.tau, s.cap));
     const auto X = make_matrix<T>(p.x, tokens, hidden);
     const auto W = make_matrix<T>(p.w, vocab, hidden, hidden + 5);
     const auto Y = make_targets<std::int32_t>(p.y);
@@ -141,7 +145,7 @@ TEST_CASE_TEMPLATE("vocabulary order: an LM head with a bias (each tile's column
   for (std::int64_t j = 0; j < vocab; ++j) bias[static_cast<std::size_t>(j)] = W.at(j, h);
   const lce::vector_view<const T> b{bias.data(), vocab};
   const auto Y = make_targets<std::int64_t>(p.y);
-  auto op = make_op<T>(budget_options(p.tau, p.cap));
+  auto op = make_op<T>(budget_options<T>(p.tau, p.cap));
   const vector_buf<O> Gv(g);
 
   const auto check = [&](const char* what, const matrix_buf<G>& gh, const matrix_buf<G>& gw,
@@ -187,12 +191,13 @@ TEST_CASE_TEMPLATE("vocabulary order: an LM head with a bias (each tile's column
 // A float grad_weight has no accumulator to save (dW sums into it chunk by
 // chunk), and a chunk the user fixed is kept: both stay in the token order.
 TEST_CASE("vocabulary order: not for a grad_weight of the compute type, nor a fixed chunk") {
-  auto f32 = make_op<float>(budget_options());
-  CHECK(f32.workspace_bytes(tokens, hidden, vocab) <= budget_bytes);
-  lce::options fixed = budget_options();
+  using B = lce::bfloat16;
+  auto f32 = make_op<float>(budget_options<float>());
+  CHECK(f32.workspace_bytes(tokens, hidden, vocab) <= budget_bytes<float>);
+  lce::options fixed = budget_options<B>();
   fixed.chunk_tokens = 8;
-  auto bf16 = make_op<lce::bfloat16>(fixed);
-  CHECK(bf16.workspace_bytes(tokens, hidden, vocab) >= accumulator_bytes<lce::bfloat16>());
-  auto budget = make_op<lce::bfloat16>(budget_options());
-  CHECK(budget.workspace_bytes(tokens, hidden, vocab) < accumulator_bytes<lce::bfloat16>());
+  auto bf16 = make_op<B>(fixed);
+  CHECK(bf16.workspace_bytes(tokens, hidden, vocab) >= accumulator_bytes<B>());
+  auto budget = make_op<B>(budget_options<B>());
+  CHECK(budget.workspace_bytes(tokens, hidden, vocab) < accumulator_bytes<B>());
 }

@@ -20,7 +20,7 @@ from conftest import make
 torch.set_num_threads(2)
 h, w, y = make(150, 96, 3000, torch.bfloat16, seed=5, ignore=(4,), scale=2.0)
 h.requires_grad_(True); w.requires_grad_(True)
-logp, ent = lce_torch.linear_logprobs(h, w, y, with_entropy=True, {chunking})
+logp, ent = lce_torch.linear_logprobs(h, w, y, with_entropy=True, chunk_tokens=64)
 (logp.sum() * 0.5 + (ent * torch.linspace(-1, 1, ent.numel())).sum()).backward()
 torch.save(dict(info=lce_torch.blas_info(), logp=logp.detach().double(), ent=ent.detach().double(),
                 dh=h.grad.double(), dw=w.grad.double()), sys.argv[1])
@@ -30,16 +30,8 @@ torch.save(dict(info=lce_torch.blas_info(), logp=logp.detach().double(), ent=ent
 PROBLEM = (150, 96, 3000, dict(seed=5, ignore=(4,), scale=2.0))
 
 
-# Chunks of 64 tokens (the token order, with the fp32 [V, H] accumulator of dW), or a 1 MiB
-# budget, which every token over the whole vocabulary (1.8 MB) and the budget's chunks plus
-# the accumulator (1.15 MB) both exceed: the vocabulary order (all 150 tokens at once, the
-# vocabulary a tile at a time, dX summed in [N, H]), which holds less.
-CHUNKINGS = {"token_order": "chunk_tokens=64", "vocabulary_order": "workspace_limit_bytes=1 << 20"}
-
-
-def run_bf16_child(path, no_mkl, chunking="token_order"):
-    return run_child(SCRIPT.format(here=HERE, chunking=CHUNKINGS[chunking]), path,
-                     {"LCE_TORCH_NO_MKL": "1" if no_mkl else None})
+def run_bf16_child(path, no_mkl):
+    return run_child(SCRIPT.format(here=HERE), path, {"LCE_TORCH_NO_MKL": "1" if no_mkl else None})
 
 
 def reference_gradients():
@@ -59,10 +51,9 @@ def test_blas_info_names_the_bf16_gemm():
         assert "cblas_gemm_bf16bf16f32" in info, info
 
 
-@pytest.mark.parametrize("chunking", sorted(CHUNKINGS))
 @pytest.mark.parametrize("no_mkl", [False, True], ids=["mkl", "widened"])
-def test_bf16_gemm_paths_match_the_float64_reference(tmp_path, no_mkl, chunking):
-    got = run_bf16_child(str(tmp_path / "out.pt"), no_mkl, chunking)
+def test_bf16_gemm_paths_match_the_float64_reference(tmp_path, no_mkl):
+    got = run_bf16_child(str(tmp_path / "out.pt"), no_mkl)
     assert ("widened to fp32" in got["info"]) == (no_mkl or "cblas_gemm_bf16bf16f32" not in got["info"])
     rl, rent, rdh, rdw = reference_gradients()
     # Forward: fp32 from exact bf16 products, so to fp32 rounding.
