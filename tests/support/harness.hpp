@@ -488,6 +488,26 @@ inline std::vector<double> reference_mean_logit(const problem& p, const forward_
   return mean;
 }
 
+// Log-probs, lse, entropy and mean logit of a call against the reference,
+// each within tol (1 + |want|).
+template <class O>
+void check_row_outputs(const problem& p, const forward_result& ref, const vector_buf<O>& lp,
+                       const vector_buf<O>& lse, const vector_buf<O>& ent, const vector_buf<O>& ml, double tol) {
+  const auto rel = [&](std::int64_t, double w) { return tol * (1 + std::fabs(w)); };
+  LCE_CHECK_CMP(compare(
+      "logprobs", p.n, [&](std::int64_t i) { return lp.get(i); },
+      [&](std::int64_t i) { return static_cast<double>(ref.logp[i]); }, rel));
+  LCE_CHECK_CMP(compare(
+      "lse", p.n, [&](std::int64_t i) { return lse.get(i); },
+      [&](std::int64_t i) { return static_cast<double>(ref.lse[i]); }, rel));
+  LCE_CHECK_CMP(compare(
+      "entropy", p.n, [&](std::int64_t i) { return ent.get(i); },
+      [&](std::int64_t i) { return static_cast<double>(ref.ent[i]); }, rel));
+  const std::vector<double> mean = reference_mean_logit(p, ref);
+  LCE_CHECK_CMP(compare(
+      "mean_logit", p.n, [&](std::int64_t i) { return ml.get(i); }, [&](std::int64_t i) { return mean[i]; }, rel));
+}
+
 // |got - want| <= tol (1 + |want|) over a gradient, relative to its largest element.
 template <class G>
 comparison compare_gradient(const std::string& what, const matrix_buf<G>& got, const std::vector<double>& want,

@@ -108,20 +108,7 @@ TEST_CASE_TEMPLATE("forward_backward with row terms: lse, entropy, mean logit ou
                         lce::row_gradients<O>{G.cview(), HG.cview(), Q.cview(), M.cview()},
                         lce::row_outputs<O>{lp.view(), lse.view(), ent.view(), ml.view()}, gh.view(), gw.view());
 
-    const double tol = base_tol<T>() * 10;
-    const auto rel = [&](std::int64_t, double w) { return tol * (1 + std::fabs(w)); };
-    LCE_CHECK_CMP(compare(
-        "logprobs", n, [&](std::int64_t i) { return lp.get(i); },
-        [&](std::int64_t i) { return static_cast<double>(ref.logp[i]); }, rel));
-    LCE_CHECK_CMP(compare(
-        "lse", n, [&](std::int64_t i) { return lse.get(i); },
-        [&](std::int64_t i) { return static_cast<double>(ref.lse[i]); }, rel));
-    LCE_CHECK_CMP(compare(
-        "entropy", n, [&](std::int64_t i) { return ent.get(i); },
-        [&](std::int64_t i) { return static_cast<double>(ref.ent[i]); }, rel));
-    const std::vector<double> mean = reference_mean_logit(p, ref);
-    LCE_CHECK_CMP(compare(
-        "mean_logit", n, [&](std::int64_t i) { return ml.get(i); }, [&](std::int64_t i) { return mean[i]; }, rel));
+    check_row_outputs(p, ref, lp, lse, ent, ml, base_tol<T>() * 10);
 
     const gradients want = reference_with_terms(p, ref, g, hg, q, m);
     // grad_hidden is stored in T: one rounding to T on top of the fp32 result.

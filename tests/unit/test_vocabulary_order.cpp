@@ -102,21 +102,7 @@ TEST_CASE_TEMPLATE("vocabulary order: forward_backward with every row term in an
                         lce::row_outputs<O>{lp.view(), lse.view(), ent.view(), ml.view()}, gh.view(), gw.view());
     check_took_vocabulary_order<decltype(op), T>(op);
 
-    const double tol = base_tol<T>() * 10;
-    const auto rel = [&](std::int64_t, double w) { return tol * (1 + std::fabs(w)); };
-    LCE_CHECK_CMP(compare(
-        "logprobs", tokens, [&](std::int64_t i) { return lp.get(i); },
-        [&](std::int64_t i) { return static_cast<double>(ref.logp[i]); }, rel));
-    LCE_CHECK_CMP(compare(
-        "lse", tokens, [&](std::int64_t i) { return lse.get(i); },
-        [&](std::int64_t i) { return static_cast<double>(ref.lse[i]); }, rel));
-    LCE_CHECK_CMP(compare(
-        "entropy", tokens, [&](std::int64_t i) { return ent.get(i); },
-        [&](std::int64_t i) { return static_cast<double>(ref.ent[i]); }, rel));
-    const std::vector<double> mean = reference_mean_logit(p, ref);
-    LCE_CHECK_CMP(compare(
-        "mean_logit", tokens, [&](std::int64_t i) { return ml.get(i); }, [&](std::int64_t i) { return mean[i]; },
-        rel));
+    check_row_outputs(p, ref, lp, lse, ent, ml, base_tol<T>() * 10);
 
     const gradients want = reference_with_terms(p, ref, g, hg, q, m);
     const double dx_tol = gradient_tol<T>() + (is_2byte_v<T> ? ulp_of<T>(1.0) : 0.0);
