@@ -47,7 +47,9 @@
 //                dtype the fp32 [V_r, H] accumulator of grad_weight, or
 //                the dW tiles of a call of one chunk on one rank, or, for
 //                one rank where it holds less, the vocabulary order's
-//                [S, H] fp32 sum of dX and one vocabulary tile of logits)
+//                [S, H] fp32 sum of dX and one vocabulary tile of logits,
+//                for long calls of a slice of the tokens, with a [tile, H]
+//                fp32 dW accumulator)
 // Not counted: the rest of the model (give it as budget_bytes' complement),
 // the framework's allocator slack, the CUDA context and the collectives
 // library's own buffers, and activations saved by other layers. The lce

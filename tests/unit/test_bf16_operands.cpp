@@ -226,32 +226,42 @@ TEST_CASE("detail::widening_bf16_gemm equals the bf16 GEMM in plain loops") {
 // rounded to bf16 over the first half of each tile's own fp32 logit rows and
 // the gradient GEMMs read it tile by tile; every result against the
 // reference (within dz's rounding), bitwise the same for 1 and 3 threads.
+// With a 0.5 MiB budget the tokens go through each tile in slices (about 30
+// and 18 rows), each tile's dW summed in a [4,096, H] fp32 accumulator.
 TEST_CASE("bf16 operands: the vocabulary order (all tokens at once, the vocabulary a tile at a time)") {
   using T = lce::bfloat16;
   const std::int64_t n = 48, h = 64, v = 12001;  // tiles of >= 4,096 rows, a ragged last one
-  lce::options budget = make_options(0.8f, 4.0f);
-  budget.workspace_limit_bytes = std::size_t{1280} << 10;
-  problem p = make_problem(n, h, v, 91, rounder_for<T>(), 1.0, 0.3, 0.1);
-  p.tau = budget.temperature;
-  p.cap = budget.softcap;
-  const auto g = random_vector(n, 92, -1.0, 1.0, rounder_for<float>());
-  const auto hg = random_vector(n, 93, -0.5, 0.5, rounder_for<float>());
-  const auto pre = random_vector(v * h, 94, -1.0, 1.0, rounder_for<T>());
+  const std::size_t tile_accumulator = std::size_t{4096} * h * sizeof(float);
+  for (const bool slices : {false, true}) {
+    CAPTURE(slices);
+    lce::options budget = make_options(0.8f, 4.0f);
+    budget.workspace_limit_bytes = slices ? std::size_t{512} << 10 : std::size_t{1280} << 10;
+    problem p = make_problem(n, h, v, 91, rounder_for<T>(), 1.0, 0.3, 0.1);
+    p.tau = budget.temperature;
+    p.cap = budget.softcap;
+    const auto g = random_vector(n, 92, -1.0, 1.0, rounder_for<float>());
+    const auto hg = random_vector(n, 93, -0.5, 0.5, rounder_for<float>());
+    const auto pre = random_vector(v * h, 94, -1.0, 1.0, rounder_for<T>());
 
-  auto op = bf16_operands_env::make_op<T>(budget, 3);
-  REQUIRE(op.chunk_tokens(n, h, v) < n);
-  std::optional<outputs<T, T>> result;
-  expect_gemms<T>([&] { result.emplace(exercise<T, T>(op, p, g, hg, pre)); });
-  const auto& tiled = *result;
-  check_against_reference(tiled, p, g, hg, pre, bf16_operands_env::gradient_operand_unit<T>,
-                          bf16_operands_env::gradient_operand_floor<T>);
-  const std::size_t accumulator = static_cast<std::size_t>(v * h) * sizeof(float);
-  const std::size_t one_chunk = static_cast<std::size_t>(n * v) * sizeof(float);
-  CHECK(op.held_workspace_bytes() < accumulator);  // neither the accumulator
-  CHECK(op.held_workspace_bytes() < one_chunk);    // nor every token over the whole vocabulary
-  CHECK(op.workspace_bytes(n, h, v) == op.held_workspace_bytes());
+    auto op = bf16_operands_env::make_op<T>(budget, 3);
+    REQUIRE(op.chunk_tokens(n, h, v) < n);
+    std::optional<outputs<T, T>> result;
+    expect_gemms<T>([&] { result.emplace(exercise<T, T>(op, p, g, hg, pre)); });
+    const auto& tiled = *result;
+    check_against_reference(tiled, p, g, hg, pre, bf16_operands_env::gradient_operand_unit<T>,
+                            bf16_operands_env::gradient_operand_floor<T>);
+    const std::size_t accumulator = static_cast<std::size_t>(v * h) * sizeof(float);
+    const std::size_t one_chunk = static_cast<std::size_t>(n * v) * sizeof(float);
+    CHECK(op.held_workspace_bytes() < accumulator);  // neither the accumulator
+    CHECK(op.held_workspace_bytes() < one_chunk);    // nor every token over the whole vocabulary
+    CHECK(op.workspace_bytes(n, h, v) == op.held_workspace_bytes());
+    // A tile's accumulator and a slice's block within the budget, or every token over a tile.
+    if (slices) CHECK(op.held_workspace_bytes() <= budget.workspace_limit_bytes + tile_accumulator);
+    if (slices) CHECK(op.held_workspace_bytes() >= tile_accumulator);
+    if (!slices) CHECK(op.held_workspace_bytes() >= std::size_t{4096} * n * sizeof(float));
 
-  auto one_thread = bf16_operands_env::make_op<T>(budget, 1);
-  const auto diff = exercise<T, T>(one_thread, p, g, hg, pre).bitwise_diff(tiled);
-  CHECK_MESSAGE(diff.empty(), "host{1} vs host{3}: " << diff);
+    auto one_thread = bf16_operands_env::make_op<T>(budget, 1);
+    const auto diff = exercise<T, T>(one_thread, p, g, hg, pre).bitwise_diff(tiled);
+    CHECK_MESSAGE(diff.empty(), "host{1} vs host{3}: " << diff);
+  }
 }

@@ -128,8 +128,9 @@ TEST_CASE_TEMPLATE("workspace_bytes grows with chunk x vocab, not with tokens", 
     // The limit bounds the scratch of a chunk. A grad_weight whose element is
     // not the compute type (bf16/fp16 for a 2-byte T, float for T = double)
     // also needs a [V_local, H] accumulator in the compute type, which no chunk
-    // size can shrink; workspace_bytes reports it on top. (Where the
-    // vocabulary order holds less, [N, H] instead of it, the call takes that.)
+    // size can shrink; workspace_bytes reports it on top. Where the
+    // vocabulary order holds less (an [N, H] sum of dX instead of it), the
+    // call takes that: then the bytes depend on N, but never exceed these.
     auto accumulator = [](std::int64_t hh, std::int64_t vv) -> std::size_t {
       return std::is_same_v<T, float> ? 0 : static_cast<std::size_t>(hh * vv) * sizeof(lce::compute_t<T>);
     };
@@ -140,8 +141,9 @@ TEST_CASE_TEMPLATE("workspace_bytes grows with chunk x vocab, not with tokens", 
       auto op = make_op<T>(o, 2);  // two threads: the widening floor below assumes two
       const auto a = op.workspace_bytes(65536, h, v);
       CHECK(a > 0);
-      CHECK(a - accumulator(h, v) <= limit);
-      CHECK(op.workspace_bytes(1 << 20, h, v) == a);
+      CHECK(a <= limit + accumulator(h, v));
+      if (std::is_same_v<T, float>) CHECK(op.workspace_bytes(1 << 20, h, v) == a);
+      CHECK(op.workspace_bytes(1 << 20, h, v) <= limit + accumulator(h, v));
       // A 2-byte weight is widened to fp32 one tile (>= 512 vocabulary rows) per
       // thread at a time: at H = 4096 that floor alone is 8 MiB a thread.
       const std::size_t widening_floor = is_2byte_v<T> ? std::size_t{2} * 512 * 4096 * sizeof(float) : 0;

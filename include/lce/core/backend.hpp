@@ -72,6 +72,8 @@ concept adds_weight_gradient_tiles =
 // share of dX is summed into one [N, H] block in order, and each tile of dW
 // is final when its GEMM ends, so the [V_local, H] accumulator of a
 // 2-byte grad_weight is replaced by an [N, H] one (smaller when N < V_local).
+// With rounds_accumulated_weight_gradient too, a long call's tokens go
+// through each tile in slices, the tile's dW summed in a [tile, H] one.
 template <class B, class O, class T, class A>
 concept adds_grad_hidden =
     requires(B& b, matrix_view<const O> dz, matrix_view<const T> w, A alpha, matrix_view<A> dx, void* block) {

@@ -191,8 +191,10 @@ class engine {
   // allows), plus that call's dW scratch: the [V_local, H] accumulator in the
   // compute type (dW across chunks accumulates in fp32, or double for T =
   // double), or only the backend's dW tiles for a call that is one chunk on
-  // one rank or sweeps the vocabulary order (adds_weight_gradient_tiles,
-  // vocabulary_tiles_plan). Raises lce::error if it does not fit in size_t.
+  // one rank or sweeps the vocabulary order with all its rows at once
+  // (adds_weight_gradient_tiles, vocabulary_tiles_plan), or one vocabulary
+  // tile's accumulator when that order takes the tokens in slices. Raises
+  // lce::error if it does not fit in size_t.
   std::size_t workspace_bytes(std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local,
                               std::int64_t set_size = 0) const {
     check_sizes("workspace_bytes", n_tokens, hidden, vocab_local, set_size);
@@ -274,18 +276,18 @@ class engine {
           auto args = gather_given(sweep, whole, grads);
           if (grads.has_entropy) {
             // E_p[z] - lse: each tile's share, summed in vocabulary order (one more sweep of logits).
-            for_vocabulary_tiles(sweep, whole, call.vocab_tile, [&](const Chunk_& tile, bool first_tile) {
-              sweep.recompute_logits(tile);
+            for_vocabulary_tiles(sweep, whole, call, [&](const Chunk_& slice, bool first_tile, bool, bool) {
+              sweep.recompute_logits(slice);
               backend_.mean_centred_logits(mean_centred_logit_args<Compute, typename Chunk_::index>{
-                  tile.logits, tile.targets, options_.ignore_index, whole.row(row_lse),
-                  whole.row(first_tile ? row_mean_centred : row_mean_logit)});
+                  slice.logits, slice.targets, options_.ignore_index, slice.row(row_lse),
+                  slice.row(first_tile ? row_mean_centred : row_mean_logit)});
               if (!first_tile)
-                backend_.add(matrix_view<const Compute>{whole.row(row_mean_logit), 1, whole.rows, whole.rows},
-                             matrix_view<Compute>{whole.row(row_mean_centred), 1, whole.rows, whole.rows});
+                backend_.add(matrix_view<const Compute>{slice.row(row_mean_logit), 1, slice.rows, slice.rows},
+                             matrix_view<Compute>{slice.row(row_mean_centred), 1, slice.rows, slice.rows});
             });
             args.mean_centred_logit = whole.row(row_mean_centred);
           }
-          gradient_by_vocabulary_tiles(sweep, whole, call.vocab_tile, args, grad_hidden, weight_gradient, grad_bias);
+          gradient_by_vocabulary_tiles(sweep, whole, call, args, grad_hidden, weight_gradient, grad_bias);
         });
       }
       return;
@@ -352,14 +354,14 @@ class engine {
         // The logits twice: every row's lse is known only after the last tile.
         sweep.run(in, [&](const auto& whole) {
           using Chunk_ = std::remove_cvref_t<decltype(whole)>;
-          for_vocabulary_tiles(sweep, whole, call.vocab_tile, [&](const Chunk_& tile, bool first_tile) {
-            sweep.tile_statistics(tile, first_tile, with_entropy, out.has_mean_logit);
+          for_vocabulary_tiles(sweep, whole, call, [&](const Chunk_& slice, bool first_tile, bool, bool) {
+            sweep.tile_statistics(slice, first_tile, with_entropy, out.has_mean_logit);
           });
           sweep.finish_tile_statistics(whole, with_entropy, out.has_mean_logit);
           scatter_outputs(sweep, whole, out);
           auto args = gather_given(sweep, whole, grads);
           if (grads.has_entropy) args.mean_centred_logit = whole.row(row_mean_centred);
-          gradient_by_vocabulary_tiles(sweep, whole, call.vocab_tile, args, grad_hidden, weight_gradient, grad_bias);
+          gradient_by_vocabulary_tiles(sweep, whole, call, args, grad_hidden, weight_gradient, grad_bias);
         });
       }
       return;
@@ -378,44 +380,54 @@ class engine {
   }
 
  private:
-  // ---- the vocabulary order (vocabulary_tiles_plan) ------------------------------
-
-  template <class Chunk_, class Body>
-  static void for_vocabulary_tiles(sweep_type& sweep, const Chunk_& whole, std::int64_t vocab_tile, Body&& body) {
-    const std::int64_t vocab_local = whole.weight.rows;
-    for (std::int64_t first = 0; first < vocab_local; first += vocab_tile)
-      body(sweep.vocabulary_tile(whole, first, std::min(vocab_tile, vocab_local - first)), first == 0);
-  }
-
-  // dz tile by tile (the logits again), each tile's dW final at once and its
-  // share of dX summed in vocabulary order: into grad_hidden itself when it
-  // has the compute type, else into the plan's [N, H] stage, converted at the end.
-  template <class Chunk_, class Args, class GradHidden, class GradWeight>
-  void gradient_by_vocabulary_tiles(sweep_type& sweep, const Chunk_& whole, std::int64_t vocab_tile, const Args& args,
-                                    const matrix_view<GradHidden>& grad_hidden,
-                                    const weight_gradient_sink<Compute, GradWeight>& weight_gradient,
-                                    const vector_view<Compute>& grad_bias) {
-    matrix_view<Compute> sum = whole.grad_hidden_stage;
-    if constexpr (std::same_as<GradHidden, Compute>) sum = grad_hidden;
-    for_vocabulary_tiles(sweep, whole, vocab_tile, [&](const Chunk_& tile, bool first_tile) {
-      sweep.recompute_logits(tile);
-      backend_.logit_gradients(sweep.gradient_of_tile(args, tile));
-      sweep.propagate_tile(tile, first_tile, sum, weight_gradient, grad_bias);
-    });
-    if constexpr (!std::same_as<GradHidden, Compute>) backend_.copy(matrix_view<const Compute>(sum), grad_hidden);
-  }
-
   // What steps 1-3 hand to the sweep.
   struct prepared_call {
     workspace_plan<Compute> plan;
     void* workspace = nullptr;
     // For a grad_weight not of the compute type: the [V_local, H] accumulator,
-    // or (tiles_into_grad_weight) the backend's per-thread dW tiles.
+    // or (tiles_into_grad_weight) the backend's per-thread dW tiles, or
+    // (token_slices) a [vocab_tile, H] accumulator.
     Compute* weight_gradient_scratch = nullptr;
     bool tiles_into_grad_weight = false;
     std::int64_t vocab_tile = 0;            // > 0: the vocabulary order (vocabulary_tiles_plan)
+    bool token_slices = false;              // ... with the tokens in slices of plan.block_rows, dW in a [tile, H] sum
     std::int64_t vocab = 0;                 // the whole vocabulary V
   };
+
+  // ---- the vocabulary order (vocabulary_tiles_plan) ------------------------------
+
+  // body(slice, first_tile, first_slice, last_slice) over the vocabulary
+  // tiles in order, and within each over its token slices in order.
+  template <class Chunk_, class Body>
+  static void for_vocabulary_tiles(sweep_type& sweep, const Chunk_& whole, const prepared_call& call, Body&& body) {
+    const std::int64_t vocab_local = whole.weight.rows, rows = whole.logits.rows;
+    for (std::int64_t first = 0; first < vocab_local; first += call.vocab_tile) {
+      const auto tile = sweep.vocabulary_tile(whole, first, std::min(call.vocab_tile, vocab_local - first));
+      for (std::int64_t row = 0; row < whole.rows; row += rows)
+        body(sweep.token_slice(tile, row, std::min(rows, whole.rows - row)), first == 0, row == 0,
+             row + rows >= whole.rows);
+    }
+  }
+
+  // dz tile by tile (the logits again), each tile's dW final after its last
+  // slice and its share of dX summed in vocabulary order: into grad_hidden
+  // itself when it has the compute type, else into the plan's [N, H] stage,
+  // converted at the end.
+  template <class Chunk_, class Args, class GradHidden, class GradWeight>
+  void gradient_by_vocabulary_tiles(sweep_type& sweep, const Chunk_& whole, const prepared_call& call, const Args& args,
+                                    const matrix_view<GradHidden>& grad_hidden,
+                                    const weight_gradient_sink<Compute, GradWeight>& weight_gradient,
+                                    const vector_view<Compute>& grad_bias) {
+    matrix_view<Compute> sum = whole.grad_hidden_stage;
+    if constexpr (std::same_as<GradHidden, Compute>) sum = grad_hidden;
+    for_vocabulary_tiles(sweep, whole, call, [&](const Chunk_& slice, bool first_tile, bool first_slice, bool last_slice) {
+      sweep.recompute_logits(slice);
+      backend_.logit_gradients(sweep.gradient_of_tile(args, slice));
+      sweep.propagate_tile(slice, first_tile, first_slice, last_slice, sum, weight_gradient, grad_bias);
+    });
+    if constexpr (!std::same_as<GradHidden, Compute>) backend_.copy(matrix_view<const Compute>(sum), grad_hidden);
+  }
+
 
   // ---- the optional per-token vectors ------------------------------------------
 
@@ -609,6 +621,7 @@ class engine {
           call.plan = gradient.plan;
           call.tiles_into_grad_weight = gradient.tiles_into_grad_weight;
           call.vocab_tile = gradient.vocab_tile;
+          call.token_slices = gradient.token_slices;
           call.workspace = workspace_.reserve(backend_, call.plan.bytes, "workspace");
           const checked_size dw_bytes = weight_gradient_scratch_bytes<G>(gradient, in.hidden.cols, in.weight.rows);
           expects(!dw_bytes.overflow, "grad_weight: the fp32 scratch of its dW for vocab_local ", in.weight.rows,
@@ -786,6 +799,7 @@ class engine {
     workspace_plan<Compute> plan;
     bool tiles_into_grad_weight = false;
     std::int64_t vocab_tile = 0;  // > 0: the vocabulary order, this many weight rows at a time
+    bool token_slices = false;    // ... and the tokens plan.block_rows at a time, dW summed in a [tile, H] accumulator
   };
 
   // The plan of a call that writes a grad_weight of element G (not the
@@ -797,9 +811,10 @@ class engine {
   // still than the token order so chosen (one chunk over the budget, or
   // several and the accumulator), the call sweeps that way
   // (vocabulary_tiles_plan). A call whose tokens fit the budget's chunk keeps
-  // the token order: one chunk, 3 GEMMs in a forward_backward. Each side is weighed with one dW
-  // tile (from the shapes alone), so that the plan, and with it the bits,
-  // never depend on the thread count.
+  // the token order: one chunk, 3 GEMMs in a forward_backward. Each side is
+  // weighed with one dW tile, or the vocabulary order with token slices
+  // with its tile's accumulator (from the shapes alone), so that the plan,
+  // and with it the bits, never depend on the thread count.
   template <class G>
   gradient_plan gradient_plan_for(std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local,
                                   std::int64_t set_size) const {
@@ -833,40 +848,50 @@ class engine {
     if (set_size == 0) {
       const auto tiled = vocabulary_tiles_plan<G>(n_tokens, hidden, vocab_local);
       if (tiled.vocab_tile > 0) {
-        const checked_size tiled_held = checked_size(tiled.plan.bytes) + one_tile(tiled.vocab_tile);
+        const checked_size tiled_held =
+            checked_size(tiled.plan.bytes) +
+            (tiled.token_slices ? weight_gradient_scratch_bytes<G>(tiled, hidden, vocab_local) : one_tile(tiled.vocab_tile));
         if (!tiled_held.overflow && (held.overflow || tiled_held.value < held.value)) return tiled;
       }
     }
     return result;
   }
 
-  // Whether this backend can sweep the vocabulary order for a grad_weight of element G.
+  // Whether this backend can sweep the vocabulary order for a grad_weight of
+  // element G, and with the tokens in slices (a tile's dW summed over them).
   template <class G>
   static constexpr bool backend_sweeps_vocabulary_tiles =
       adds_grad_hidden<Backend, Operand, T, Compute> && backend_adds_weight_gradient_tiles<G>;
+  template <class G>
+  static constexpr bool backend_slices_vocabulary_tiles =
+      backend_sweeps_vocabulary_tiles<G> && rounds_accumulated_weight_gradient<Backend, Operand, Compute, G>;
 
   // The vocabulary order of a call on one rank: every token in one chunk, the
   // vocabulary `vocab_tile` weight rows at a time (whole cache lines, at
-  // least vocabulary_tile_min_columns rows): the largest tile whose plan fits
-  // options.workspace_limit_bytes and whose logit block stays within
-  // vocabulary_tile_block_bytes. It holds an [N, H] sum of dX in the compute
-  // type where the token order holds the [V_local, H] dW accumulator (or all
-  // of [N, V_local] in one chunk), and costs the forward_backward one more
-  // GEMM (the logits before and after every row's lse is known). The block
-  // bound is for speed: its row passes then run near the cache, which on
-  // the CPU repays that GEMM (bf16, N = 1,024, V = 128,256, one thread:
-  // 1.99 s with 16 MiB blocks, 3.40 s with two blocks of 256 MiB, 1.95 s for
-  // the token order's one chunk of 525 MB). vocab_tile = 0: not available here
-  // (several ranks, a backend without adds_grad_hidden, or a tile as wide
-  // as the shard).
-  static constexpr std::int64_t vocabulary_tile_floor = 256;
+  // least vocabulary_tile_min_columns rows). It holds an [N, H] sum of dX in
+  // the compute type where the token order holds the [V_local, H] dW
+  // accumulator (or all of [N, V_local] in one chunk), and costs the
+  // forward_backward one more GEMM (the logits before and after every row's
+  // lse is known).
+  //  - All N rows at a time where [N, vocabulary_tile_min_columns] fits
+  //    both the budget and vocabulary_tile_block_bytes: the widest tile that
+  //    does. Each tile's dW is then final when its GEMM ends.
+  //  - Else (a long call) the tile is vocabulary_tile_min_columns rows and
+  //    the tokens go in slices: the most rows whose [slice, tile] block fits
+  //    both (at least one). A [tile, H] accumulator in the compute type sums
+  //    each tile's dW over its slices (token_slices).
+  // The block bound is for speed: its row passes then run near the cache,
+  // which on the CPU repays that GEMM (bf16, N = 1,024, V = 128,256, one
+  // thread: 1.99 s with 16 MiB blocks, 3.40 s with two blocks of 256 MiB,
+  // 1.95 s for the token order's one chunk of 525 MB). vocab_tile = 0: not
+  // available here (several ranks, a backend without adds_grad_hidden, or a
+  // tile as wide as the shard).
   static constexpr std::size_t vocabulary_tile_block_bytes = std::size_t{16} << 20;
   // Narrower tiles make every GEMM re-read (and the host's dW GEMMs re-pack)
-  // all N hidden rows once per few hundred vocabulary rows: bf16 on the CPU
-  // at N = 4,096-8,192 (1,024- and 512-column tiles) took 1.4-1.7x PyTorch's
-  // plain time where the token order took 0.6-0.95x. So a call whose tile
-  // would be narrower keeps the token order (in practice: N <= 1,024 with
-  // the 16 MiB blocks).
+  // all the slice's hidden rows once per few hundred vocabulary rows: bf16
+  // on the CPU at N = 4,096-8,192 with all N rows in 1,024- and 512-column
+  // tiles took 1.4-1.7x PyTorch's plain time where the token order took
+  // 0.6-0.95x.
   static constexpr std::int64_t vocabulary_tile_min_columns = 4096;
 
   template <class G>
@@ -874,30 +899,48 @@ class engine {
     if constexpr (!backend_sweeps_vocabulary_tiles<G>) {
       return {};
     } else {
-      if (comm_.size() != 1 || n_tokens < 1 || vocab_local <= vocabulary_tile_floor) return {};
-      const auto plan_of = [&](std::int64_t tile) {
+      if (comm_.size() != 1 || n_tokens < 1 || vocab_local <= vocabulary_tile_min_columns) return {};
+      const auto shape_with = [&](std::int64_t tile, std::int64_t block_rows) {
         auto shape = shape_of(hidden, tile);
         shape.ranks = 2;  // two exchange records: the running merge and the tile's
-        return workspace_plan<Compute>::make(shape, n_tokens);
+        shape.block_rows = block_rows;
+        return shape;
       };
       constexpr std::int64_t line = static_cast<std::int64_t>(workspace_alignment / sizeof(Compute));
       const std::size_t limit = options_.workspace_limit_bytes;
-      const auto smallest = plan_of(vocabulary_tile_floor);
-      std::int64_t tile = vocabulary_tile_floor;
-      if (smallest.bytes < limit) {
-        // Each vocabulary column adds a column of n_tokens to the logit block (and to dz's own block).
-        const std::size_t per_column =
-            static_cast<std::size_t>(n_tokens) * (sizeof(Compute) + shape_of(hidden, vocab_local).gradient_operand_bytes);
-        const auto extra = static_cast<std::int64_t>(
-            std::min<std::size_t>((limit - smallest.bytes) / per_column, static_cast<std::size_t>(vocab_local)));
-        tile = std::min(vocab_local, (vocabulary_tile_floor + extra) / line * line);
-        while (tile > vocabulary_tile_floor && plan_of(tile).bytes > limit) tile -= line;
+      const std::size_t column_bytes = sizeof(Compute) + shape_of(hidden, vocab_local).gradient_operand_bytes;
+      // Each vocabulary column adds a column of n_tokens to the logit block (and to dz's own block).
+      const auto narrowest = workspace_plan<Compute>::make(shape_with(vocabulary_tile_min_columns, 0), n_tokens);
+      if (narrowest.bytes <= limit &&
+          static_cast<std::size_t>(n_tokens) * vocabulary_tile_min_columns * sizeof(Compute) <=
+              vocabulary_tile_block_bytes) {
+        const std::size_t per_column = static_cast<std::size_t>(n_tokens) * column_bytes;
+        const auto by_budget = static_cast<std::int64_t>(std::min<std::size_t>(
+            vocabulary_tile_min_columns + (limit - narrowest.bytes) / per_column, static_cast<std::size_t>(vocab_local)));
+        const auto by_block = static_cast<std::int64_t>(
+            vocabulary_tile_block_bytes / (static_cast<std::size_t>(n_tokens) * sizeof(Compute)));
+        std::int64_t tile = std::min(by_budget, by_block) / line * line;
+        while (tile > vocabulary_tile_min_columns &&
+               workspace_plan<Compute>::make(shape_with(tile, 0), n_tokens).bytes > limit)
+          tile -= line;
+        if (tile >= vocab_local) return {};
+        return {workspace_plan<Compute>::make(shape_with(tile, 0), n_tokens), true, tile};
       }
-      const auto block_columns = static_cast<std::int64_t>(
-          vocabulary_tile_block_bytes / (static_cast<std::size_t>(n_tokens) * sizeof(Compute)));
-      tile = std::min(tile, block_columns / line * line);
-      if (tile < vocabulary_tile_min_columns || tile >= vocab_local) return {};
-      return {plan_of(tile), true, tile};
+      if constexpr (!backend_slices_vocabulary_tiles<G>) {
+        return {};
+      } else {
+        constexpr std::int64_t tile = vocabulary_tile_min_columns;
+        const auto one_row = workspace_plan<Compute>::make(shape_with(tile, 1), n_tokens);
+        const std::size_t per_row = static_cast<std::size_t>(workspace_plan<Compute>::padded_ld(tile)) * column_bytes;
+        std::int64_t rows = one_row.bytes < limit ? 1 + static_cast<std::int64_t>((limit - one_row.bytes) / per_row) : 1;
+        rows = std::clamp<std::int64_t>(
+            std::min<std::int64_t>(rows, static_cast<std::int64_t>(vocabulary_tile_block_bytes /
+                                                                   (static_cast<std::size_t>(tile) * sizeof(Compute)))),
+            1, n_tokens);
+        const auto plan = workspace_plan<Compute>::make(shape_with(tile, rows), n_tokens);
+        if (rows >= n_tokens) return {plan, true, tile};
+        return {plan, false, tile, true};
+      }
     }
   }
 
@@ -905,7 +948,8 @@ class engine {
   template <class G>
   checked_size weight_gradient_scratch_bytes(const gradient_plan& gradient, std::int64_t hidden,
                                              std::int64_t vocab_local) const {
-    // The vocabulary order hands the backend one vocabulary tile at a time (its dW tiles grow with the shard).
+    // The vocabulary order hands the backend one vocabulary tile at a time (its dW tiles grow with the
+    // shard); with token slices, the tile's accumulator.
     if (gradient.vocab_tile > 0) vocab_local = gradient.vocab_tile;
     if (gradient.tiles_into_grad_weight)
       return checked_size::of(static_cast<std::int64_t>(weight_gradient_tile_elements<G>(hidden, vocab_local))) *
@@ -923,6 +967,11 @@ class engine {
       return {.accumulator = grad_weight, .grad_weight = grad_weight};
     } else if (call.tiles_into_grad_weight) {
       return {.accumulator = {}, .grad_weight = grad_weight, .tile_scratch = call.weight_gradient_scratch};
+    } else if (call.token_slices) {
+      // One vocabulary tile's dW at a time, overwritten by its first slice, added into grad_weight by its last.
+      return {.accumulator = {call.weight_gradient_scratch, call.vocab_tile, grad_weight.cols, grad_weight.cols},
+              .grad_weight = grad_weight,
+              .fused = true};
     } else {
       matrix_view<Compute> accumulator{call.weight_gradient_scratch, grad_weight.rows, grad_weight.cols,
                                        grad_weight.cols};

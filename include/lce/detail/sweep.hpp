@@ -77,6 +77,7 @@ struct chunk {
   std::int64_t segment_rows = 0;
   std::int64_t local_tokens = 0;    // hidden rows per rank (sequence parallel)
   std::int64_t vocab_first = 0;     // first weight row of the block's columns (a vocabulary tile), else 0
+  std::int64_t slice_first = 0;     // first row of a token slice within its chunk (the vocabulary order), else 0
   matrix_view<const Operand> hidden;  // [rows, H] in the GEMMs' operand type
   matrix_view<const T> weight;        // [V_local, H]
   vector_view<const T> bias;          // [V_local] or empty
@@ -166,13 +167,15 @@ class chunk_sweep {
       c.local_first = first;
       c.segment_rows = std::min(plan_.local_chunk, in.hidden.rows - first);
       c.rows = c.segment_rows * c.segments;
-      c.logits = {logits, c.rows, in.weight.rows, plan_.logits_ld};
+      // All the chunk's rows, but for the vocabulary order's token slices (plan_.block_rows).
+      const std::int64_t block_rows = std::min(c.rows, plan_.block_rows);
+      c.logits = {logits, block_rows, in.weight.rows, plan_.logits_ld};
       if constexpr (dz_in_logit_rows) {
         static_assert(sizeof(Compute) % sizeof(Operand) == 0);
-        c.dz_operand = {reinterpret_cast<Operand*>(logits), c.rows, in.weight.rows,
+        c.dz_operand = {reinterpret_cast<Operand*>(logits), block_rows, in.weight.rows,
                         plan_.logits_ld * static_cast<std::int64_t>(sizeof(Compute) / sizeof(Operand))};
       } else if constexpr (dz_in_own_block) {
-        c.dz_operand = {dz_operand, c.rows, in.weight.rows, plan_.logits_ld};
+        c.dz_operand = {dz_operand, block_rows, in.weight.rows, plan_.logits_ld};
       }
       c.grad_hidden_stage = {grad_hidden_stage, c.rows, h, h};
       c.set_logits = reinterpret_cast<Compute*>(c.partials + c.rows);
@@ -251,9 +254,11 @@ class chunk_sweep {
 
   // ---- the vocabulary order (engine: vocabulary_tiles) ------------------------
   // One rank, every token in one chunk (`whole`, from run() with a plan of
-  // local_chunk = N), the vocabulary `tile` weight rows at a time: the logit
-  // block holds [N, tile]. The plan has two exchange records in `gathered`:
-  // the running merge of the row partials and the current tile's.
+  // local_chunk = N), the vocabulary `tile` weight rows at a time, and within
+  // a tile the tokens a slice of plan.block_rows rows at a time (all N when
+  // [N, tile] fits the block): the logit block holds [slice, tile]. The plan
+  // has two exchange records of N rows in `gathered`: the running merge of
+  // the row partials and the current tile's.
 
   // The chunk `whole` narrowed to weight rows [first, first + count).
   template <class Index>
@@ -263,21 +268,40 @@ class chunk_sweep {
     c.vocab_first = first;
     c.weight = whole.weight.rows_slice(first, count);
     if (whole.bias.size) c.bias = whole.bias.slice(first, count);
-    c.logits = {whole.logits.data, whole.rows, count, plan_.logits_ld};
-    if constexpr (dz_in_own_block) c.dz_operand = {whole.dz_operand.data, whole.rows, count, whole.dz_operand.ld};
+    c.logits = {whole.logits.data, whole.logits.rows, count, plan_.logits_ld};
+    if constexpr (dz_in_own_block) c.dz_operand = {whole.dz_operand.data, whole.dz_operand.rows, count, whole.dz_operand.ld};
     return c;
   }
 
-  // The tile's logits and their row partials, merged into the running ones
+  // A tile narrowed to its rows [first, first + rows), which the logit block holds.
+  template <class Index>
+  chunk<T, Compute, Operand, Index> token_slice(const chunk<T, Compute, Operand, Index>& tile, std::int64_t first,
+                                                std::int64_t rows) const {
+    auto c = tile;
+    c.slice_first = first;
+    c.local_first = tile.local_first + first;
+    c.rows = c.segment_rows = rows;
+    c.hidden = tile.hidden.rows_slice(first, rows);
+    c.targets = tile.targets.slice(first, rows);
+    c.logits.rows = rows;
+    if constexpr (dz_in_own_block) c.dz_operand.rows = rows;
+    c.grad_hidden_stage = tile.grad_hidden_stage.rows_slice(first, rows);
+    c.partials = tile.partials + first;
+    c.gathered = tile.gathered + first;
+    c.row_base = tile.row_base + first;  // row_stride stays the whole chunk's
+    return c;
+  }
+
+  // The slice's logits and their row partials, merged into the running ones
   // (the first tile's become them). Tiles are merged in vocabulary order.
   template <class Index>
-  void tile_statistics(const chunk<T, Compute, Operand, Index>& tile, bool first_tile, bool with_entropy,
+  void tile_statistics(const chunk<T, Compute, Operand, Index>& slice, bool first_tile, bool with_entropy,
                        bool with_mean_logit) {
-    compute_logits(tile);
-    const std::int64_t record = workspace_plan<Compute>::exchange_record(tile.rows, 0).value;
-    row_statistics(tile, with_entropy, /*keep_exp=*/false, with_mean_logit,
-                   first_tile ? tile.gathered : tile.gathered + record);
-    if (!first_tile) backend_.merge_partials(tile.gathered, 2, tile.rows, record, tile.gathered);
+    compute_logits(slice);
+    const std::int64_t record = workspace_plan<Compute>::exchange_record(plan_.chunk, 0).value;
+    row_statistics(slice, with_entropy, /*keep_exp=*/false, with_mean_logit,
+                   first_tile ? slice.gathered : slice.gathered + record);
+    if (!first_tile) backend_.merge_partials(slice.gathered, 2, slice.rows, record, slice.gathered);
   }
 
   // Log-prob, lse, entropy (and mean logit) of every row from the merged partials.
@@ -288,37 +312,51 @@ class chunk_sweep {
   }
 
   // The gradient pass's arguments (from gradient_base of `whole`, the rows
-  // gathered) pointed at a tile's block.
+  // gathered) pointed at a slice's block and rows.
   template <class Index>
   gradient_args<Compute, Index, Operand> gradient_of_tile(gradient_args<Compute, Index, Operand> args,
-                                                          const chunk<T, Compute, Operand, Index>& tile) const {
-    args.logits = tile.logits;
-    args.vocab_start = options_.vocab_start + tile.vocab_first;
+                                                          const chunk<T, Compute, Operand, Index>& slice) const {
+    args.logits = slice.logits;
+    args.targets = slice.targets;
+    args.vocab_start = options_.vocab_start + slice.vocab_first;
+    const std::int64_t r = slice.slice_first;
+    for (const Compute** row : {&args.lse, &args.grad_logprobs, &args.grad_entropy, &args.mean_centred_logit,
+                                &args.grad_lse, &args.lse_squared, &args.grad_mean_logit})
+      if (*row) *row += r;
     if constexpr (dz_in_own_block) {
-      args.gradient_operand = tile.dz_operand.data;
-      args.gradient_operand_ld = tile.dz_operand.ld;
+      args.gradient_operand = slice.dz_operand.data;
+      args.gradient_operand_ld = slice.dz_operand.ld;
     }
     return args;
   }
 
-  // dz of a tile -> its share of dX, summed into `grad_hidden_sum` ([N, H] in
-  // the compute type; the first tile overwrites it), and its rows of dW, final
-  // (added into grad_weight through the backend's tiles), and of db.
+  // dz of a slice -> its share of dX, summed into its rows of
+  // `grad_hidden_sum` ([N, H] in the compute type; the first tile
+  // overwrites them), and of dW and db. dW: a tile of one slice is final at
+  // once (added into grad_weight through the backend's tiles); a tile of
+  // several is summed over them in the sink's [tile, H] accumulator and
+  // added into grad_weight with the last.
   template <class Index, class GradWeight>
-  void propagate_tile(const chunk<T, Compute, Operand, Index>& tile, bool first_tile,
-                      const matrix_view<Compute>& grad_hidden_sum,
+  void propagate_tile(const chunk<T, Compute, Operand, Index>& slice, bool first_tile, bool first_slice,
+                      bool last_slice, const matrix_view<Compute>& grad_hidden_sum,
                       const weight_gradient_sink<Compute, GradWeight>& weight_gradient,
                       const vector_view<Compute>& grad_bias = {}) {
     if constexpr (adds_grad_hidden<Backend, Operand, T, Compute> &&
                   adds_weight_gradient_tiles<Backend, Operand, Compute, GradWeight>) {
-      const matrix_view<const Operand> dz = dz_of(tile);
+      const matrix_view<const Operand> dz = dz_of(slice);
       const Compute alpha = scaling_.temperature_scale;
-      const std::int64_t first = tile.vocab_first, count = tile.logits.cols;
+      const std::int64_t first = slice.vocab_first, count = slice.logits.cols;
       if (grad_bias.size) backend_.column_sums(dz, alpha, grad_bias.slice(first, count));
-      backend_.grad_hidden(dz, tile.weight, alpha, grad_hidden_sum, tile.weight_block,
-                           first_tile ? Compute(0) : Compute(1));
-      backend_.grad_weight(dz, tile.hidden, alpha, weight_gradient.grad_weight.rows_slice(first, count),
-                           weight_gradient.tile_scratch);
+      backend_.grad_hidden(dz, slice.weight, alpha, grad_hidden_sum.rows_slice(slice.slice_first, slice.rows),
+                           slice.weight_block, first_tile ? Compute(0) : Compute(1));
+      const auto grad_weight = weight_gradient.grad_weight.rows_slice(first, count);
+      if (weight_gradient.tile_scratch) {
+        backend_.grad_weight(dz, slice.hidden, alpha, grad_weight, weight_gradient.tile_scratch);
+      } else if constexpr (rounds_accumulated_weight_gradient<Backend, Operand, Compute, GradWeight>) {
+        backend_.grad_weight(dz, slice.hidden, alpha, weight_gradient.accumulator.rows_slice(0, count),
+                             first_slice ? Compute(0) : Compute(1),
+                             last_slice ? grad_weight : matrix_view<GradWeight>{});
+      }
     } else {
       static_assert(sizeof(GradWeight) == 0, "the vocabulary order needs adds_grad_hidden and adds_weight_gradient_tiles");
     }

@@ -63,6 +63,8 @@ struct workspace_shape {
   std::size_t storage_bytes = 4;          // sizeof(T)
   std::int64_t weight_block_elements = 0; // compute-type scratch to widen weight blocks
   std::int64_t set_size = 0;              // K ids per row (a target-set call), else 0
+  std::int64_t block_rows = 0;            // > 0: the logit block holds this many of the chunk's rows at a
+                                          // time (the vocabulary order's token slices), else all of them
 };
 
 // Per-chunk arrays of one value per row, in compute type.
@@ -85,6 +87,7 @@ struct workspace_plan {
   std::int64_t chunk = 1;        // rows of the logit block
   std::int64_t local_chunk = 1;  // of which this rank's own hidden rows (sequence parallel), else = chunk
   std::int64_t logits_ld = 0;    // padded to whole cache lines so every row starts aligned
+  std::int64_t block_rows = 1;   // rows the logit block (and dz's own block) holds: chunk, or fewer (block_rows)
   std::size_t logits = 0, hidden_stage = 0, hidden_gather = 0, hidden_send = 0;
   std::size_t grad_hidden_stage = 0, grad_hidden_local = 0, weight_block = 0;
   std::size_t partials = 0, gathered = 0, rows = 0, targets = 0, gradient_operand = 0;
@@ -145,7 +148,9 @@ struct workspace_plan {
     plan.chunk = gathered_rows;
     plan.local_chunk = local_chunk;
     plan.logits_ld = padded_ld(shape.vocab_local);
+    plan.block_rows = shape.block_rows > 0 ? std::min(shape.block_rows, gathered_rows) : gathered_rows;
     const auto c = checked_size::of(gathered_rows);
+    const auto block = checked_size::of(plan.block_rows);
     const auto c_local = checked_size::of(local_chunk);
     const auto h = checked_size::of(shape.hidden);
     const checked_size a = sizeof(Compute);
@@ -158,7 +163,7 @@ struct workspace_plan {
       return at;
     };
     const checked_size none;
-    plan.logits = take(c * checked_size::of(plan.logits_ld) * a);
+    plan.logits = take(block * checked_size::of(plan.logits_ld) * a);
     plan.hidden_stage = take(shape.widen_hidden ? c * h * shape.operand_bytes : none);
     plan.hidden_gather = take(sp ? c * h * shape.storage_bytes : none);
     plan.hidden_send = take(sp ? c_local * h * shape.storage_bytes : none);
@@ -174,7 +179,7 @@ struct workspace_plan {
     // Sequence parallel: the chunk's targets gathered from the ranks' segments. A
     // target-set call keeps each row's stand-in target there.
     plan.targets = take(sp || sets ? c * sizeof(std::int64_t) : none);
-    plan.gradient_operand = take(c * checked_size::of(plan.logits_ld) * shape.gradient_operand_bytes);
+    plan.gradient_operand = take(block * checked_size::of(plan.logits_ld) * shape.gradient_operand_bytes);
     plan.set_ids = take(sets && sp ? c * k * sizeof(std::int64_t) : none);
     plan.set_logprobs = take(c * k * a);
     plan.set_grads = take(c * k * a);
