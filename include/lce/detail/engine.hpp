@@ -276,7 +276,7 @@ class engine {
           auto args = gather_given(sweep, whole, grads);
           if (grads.has_entropy) {
             // E_p[z] - lse: each tile's share, summed in vocabulary order (one more sweep of logits).
-            for_vocabulary_tiles(sweep, whole, call, [&](const Chunk_& slice, bool first_tile, bool, bool) {
+            for_vocabulary_tiles(sweep, whole, call, [&](const Chunk_& slice, bool first_tile) {
               sweep.recompute_logits(slice);
               backend_.mean_centred_logits(mean_centred_logit_args<Compute, typename Chunk_::index>{
                   slice.logits, slice.targets, options_.ignore_index, slice.row(row_lse),
@@ -354,7 +354,7 @@ class engine {
         // The logits twice: every row's lse is known only after the last tile.
         sweep.run(in, [&](const auto& whole) {
           using Chunk_ = std::remove_cvref_t<decltype(whole)>;
-          for_vocabulary_tiles(sweep, whole, call, [&](const Chunk_& slice, bool first_tile, bool, bool) {
+          for_vocabulary_tiles(sweep, whole, call, [&](const Chunk_& slice, bool first_tile) {
             sweep.tile_statistics(slice, first_tile, with_entropy, out.has_mean_logit);
           });
           sweep.finish_tile_statistics(whole, with_entropy, out.has_mean_logit);
@@ -385,27 +385,25 @@ class engine {
     workspace_plan<Compute> plan;
     void* workspace = nullptr;
     // For a grad_weight not of the compute type: the [V_local, H] accumulator,
-    // or (tiles_into_grad_weight) the backend's per-thread dW tiles, or
-    // (token_slices) a [vocab_tile, H] accumulator.
+    // or (tiles_into_grad_weight) the backend's per-thread dW tiles, or in the
+    // vocabulary order with token slices a [vocab_tile, H] accumulator.
     Compute* weight_gradient_scratch = nullptr;
     bool tiles_into_grad_weight = false;
     std::int64_t vocab_tile = 0;            // > 0: the vocabulary order (vocabulary_tiles_plan)
-    bool token_slices = false;              // ... with the tokens in slices of plan.block_rows, dW in a [tile, H] sum
     std::int64_t vocab = 0;                 // the whole vocabulary V
   };
 
   // ---- the vocabulary order (vocabulary_tiles_plan) ------------------------------
 
-  // body(slice, first_tile, first_slice, last_slice) over the vocabulary
-  // tiles in order, and within each over its token slices in order.
+  // body(slice, first_tile) over the vocabulary tiles in order, and within
+  // each over its token slices (the rows the logit block holds) in order.
   template <class Chunk_, class Body>
   static void for_vocabulary_tiles(sweep_type& sweep, const Chunk_& whole, const prepared_call& call, Body&& body) {
     const std::int64_t vocab_local = whole.weight.rows, rows = whole.logits.rows;
     for (std::int64_t first = 0; first < vocab_local; first += call.vocab_tile) {
       const auto tile = sweep.vocabulary_tile(whole, first, std::min(call.vocab_tile, vocab_local - first));
       for (std::int64_t row = 0; row < whole.rows; row += rows)
-        body(sweep.token_slice(tile, row, std::min(rows, whole.rows - row)), first == 0, row == 0,
-             row + rows >= whole.rows);
+        body(sweep.token_slice(tile, row, std::min(rows, whole.rows - row)), first == 0);
     }
   }
 
@@ -420,10 +418,10 @@ class engine {
                                     const vector_view<Compute>& grad_bias) {
     matrix_view<Compute> sum = whole.grad_hidden_stage;
     if constexpr (std::same_as<GradHidden, Compute>) sum = grad_hidden;
-    for_vocabulary_tiles(sweep, whole, call, [&](const Chunk_& slice, bool first_tile, bool first_slice, bool last_slice) {
+    for_vocabulary_tiles(sweep, whole, call, [&](const Chunk_& slice, bool first_tile) {
       sweep.recompute_logits(slice);
       backend_.logit_gradients(sweep.gradient_of_tile(args, slice));
-      sweep.propagate_tile(slice, first_tile, first_slice, last_slice, sum, weight_gradient, grad_bias);
+      sweep.propagate_tile(slice, first_tile, sum, weight_gradient, grad_bias);
     });
     if constexpr (!std::same_as<GradHidden, Compute>) backend_.copy(matrix_view<const Compute>(sum), grad_hidden);
   }
@@ -621,7 +619,6 @@ class engine {
           call.plan = gradient.plan;
           call.tiles_into_grad_weight = gradient.tiles_into_grad_weight;
           call.vocab_tile = gradient.vocab_tile;
-          call.token_slices = gradient.token_slices;
           call.workspace = workspace_.reserve(backend_, call.plan.bytes, "workspace");
           const checked_size dw_bytes = weight_gradient_scratch_bytes<G>(gradient, in.hidden.cols, in.weight.rows);
           expects(!dw_bytes.overflow, "grad_weight: the fp32 scratch of its dW for vocab_local ", in.weight.rows,
@@ -798,8 +795,10 @@ class engine {
   struct gradient_plan {
     workspace_plan<Compute> plan;
     bool tiles_into_grad_weight = false;
-    std::int64_t vocab_tile = 0;  // > 0: the vocabulary order, this many weight rows at a time
-    bool token_slices = false;    // ... and the tokens plan.block_rows at a time, dW summed in a [tile, H] accumulator
+    // > 0: the vocabulary order, this many weight rows at a time; with
+    // tiles_into_grad_weight all the tokens at once, else in slices of
+    // plan.block_rows, each tile's dW summed in a [vocab_tile, H] accumulator.
+    std::int64_t vocab_tile = 0;
   };
 
   // The plan of a call that writes a grad_weight of element G (not the
@@ -820,10 +819,9 @@ class engine {
                                   std::int64_t set_size) const {
     gradient_plan result{plan_for(n_tokens, hidden, vocab_local, 0, set_size)};
     const bool budget_decides = !fixed_chunk_policy<Chunk> && options_.chunk_tokens <= 0;
-    const auto one_tile = [&](std::int64_t vocab) {
-      return checked_size::of(static_cast<std::int64_t>(
-                 std::min<std::size_t>(weight_gradient_tile_elements<G>(hidden, vocab), INT64_MAX))) *
-             sizeof(Compute);
+    // The dW scratch with one slot of tiles: the same on any thread count.
+    const auto scratch = [&](const gradient_plan& plan) {
+      return weight_gradient_scratch_bytes<G>(plan, hidden, vocab_local, /*slots=*/1);
     };
     if (one_chunk_without_accumulator<G>(n_tokens, result.plan)) {
       // Every token in one chunk within the budget: the fewest GEMMs, nothing to weigh.
@@ -834,7 +832,7 @@ class engine {
     const auto shape = shape_of(hidden, vocab_local, set_size);
     const checked_size one = workspace_plan<Compute>::fixed_bytes(shape) +
                              checked_size::of(n_tokens) * workspace_plan<Compute>::bytes_per_token(shape) +
-                             one_tile(vocab_local);
+                             scratch({.plan = {}, .tiles_into_grad_weight = true});
     const checked_size several = checked_size(result.plan.bytes) +
                                  checked_size::of(vocab_local) * checked_size::of(hidden) * sizeof(Compute);
     checked_size held = several;
@@ -848,9 +846,7 @@ class engine {
     if (set_size == 0) {
       const auto tiled = vocabulary_tiles_plan<G>(n_tokens, hidden, vocab_local);
       if (tiled.vocab_tile > 0) {
-        const checked_size tiled_held =
-            checked_size(tiled.plan.bytes) +
-            (tiled.token_slices ? weight_gradient_scratch_bytes<G>(tiled, hidden, vocab_local) : one_tile(tiled.vocab_tile));
+        const checked_size tiled_held = checked_size(tiled.plan.bytes) + scratch(tiled);
         if (!tiled_held.overflow && (held.overflow || tiled_held.value < held.value)) return tiled;
       }
     }
@@ -879,7 +875,7 @@ class engine {
   //  - Else (a long call) the tile is vocabulary_tile_min_columns rows and
   //    the tokens go in slices: the most rows whose [slice, tile] block fits
   //    both (at least one). A [tile, H] accumulator in the compute type sums
-  //    each tile's dW over its slices (token_slices).
+  //    each tile's dW over its slices (tiles_into_grad_weight is false).
   // The block bound is for speed: its row passes then run near the cache,
   // which on the CPU repays that GEMM (bf16, N = 1,024, V = 128,256, one
   // thread: 1.99 s with 16 MiB blocks, 3.40 s with two blocks of 256 MiB,
@@ -937,23 +933,22 @@ class engine {
             std::min<std::int64_t>(rows, static_cast<std::int64_t>(vocabulary_tile_block_bytes /
                                                                    (static_cast<std::size_t>(tile) * sizeof(Compute)))),
             1, n_tokens);
-        const auto plan = workspace_plan<Compute>::make(shape_with(tile, rows), n_tokens);
-        if (rows >= n_tokens) return {plan, true, tile};
-        return {plan, false, tile, true};
+        return {workspace_plan<Compute>::make(shape_with(tile, rows), n_tokens), rows >= n_tokens, tile};
       }
     }
   }
 
-  // The bytes of a call's dW scratch beside its plan: the backend's tiles, or the accumulator.
+  // The bytes of a call's dW scratch beside its plan: the backend's tiles
+  // (`slots` of them; 0: one per worker, as the call reserves), or the accumulator.
   template <class G>
   checked_size weight_gradient_scratch_bytes(const gradient_plan& gradient, std::int64_t hidden,
-                                             std::int64_t vocab_local) const {
+                                             std::int64_t vocab_local, int slots = 0) const {
     // The vocabulary order hands the backend one vocabulary tile at a time (its dW tiles grow with the
     // shard); with token slices, the tile's accumulator.
     if (gradient.vocab_tile > 0) vocab_local = gradient.vocab_tile;
     if (gradient.tiles_into_grad_weight)
       return checked_size::of(static_cast<std::int64_t>(weight_gradient_tile_elements<G>(hidden, vocab_local))) *
-             weight_gradient_tile_slots<G>() * sizeof(Compute);
+             (slots > 0 ? static_cast<std::size_t>(slots) : weight_gradient_tile_slots<G>()) * sizeof(Compute);
     return checked_size::of(vocab_local) * checked_size::of(hidden) * sizeof(Compute);
   }
 
@@ -967,7 +962,7 @@ class engine {
       return {.accumulator = grad_weight, .grad_weight = grad_weight};
     } else if (call.tiles_into_grad_weight) {
       return {.accumulator = {}, .grad_weight = grad_weight, .tile_scratch = call.weight_gradient_scratch};
-    } else if (call.token_slices) {
+    } else if (call.vocab_tile > 0) {
       // One vocabulary tile's dW at a time, overwritten by its first slice, added into grad_weight by its last.
       return {.accumulator = {call.weight_gradient_scratch, call.vocab_tile, grad_weight.cols, grad_weight.cols},
               .grad_weight = grad_weight,

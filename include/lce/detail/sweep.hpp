@@ -273,11 +273,14 @@ class chunk_sweep {
     return c;
   }
 
-  // A tile narrowed to its rows [first, first + rows), which the logit block holds.
+  // A tile narrowed to its rows [first, first + rows), which the logit block
+  // holds. Its ordinal counts the tile's slices, so that the dW of a tile
+  // summed over several goes through add_weight_gradient like a chunk's.
   template <class Index>
   chunk<T, Compute, Operand, Index> token_slice(const chunk<T, Compute, Operand, Index>& tile, std::int64_t first,
                                                 std::int64_t rows) const {
     auto c = tile;
+    c.ordinal = first / plan_.block_rows;
     c.slice_first = first;
     c.local_first = tile.local_first + first;
     c.rows = c.segment_rows = rows;
@@ -332,13 +335,13 @@ class chunk_sweep {
 
   // dz of a slice -> its share of dX, summed into its rows of
   // `grad_hidden_sum` ([N, H] in the compute type; the first tile
-  // overwrites them), and of dW and db. dW: a tile of one slice is final at
-  // once (added into grad_weight through the backend's tiles); a tile of
-  // several is summed over them in the sink's [tile, H] accumulator and
-  // added into grad_weight with the last.
+  // overwrites them), and of dW and db. dW goes through add_weight_gradient
+  // with the sink narrowed to the tile: straight into grad_weight through
+  // the backend's tiles (a tile of one slice), or summed over the slices in
+  // the sink's [tile, H] accumulator and added into grad_weight with the last.
   template <class Index, class GradWeight>
-  void propagate_tile(const chunk<T, Compute, Operand, Index>& slice, bool first_tile, bool first_slice,
-                      bool last_slice, const matrix_view<Compute>& grad_hidden_sum,
+  void propagate_tile(const chunk<T, Compute, Operand, Index>& slice, bool first_tile,
+                      const matrix_view<Compute>& grad_hidden_sum,
                       const weight_gradient_sink<Compute, GradWeight>& weight_gradient,
                       const vector_view<Compute>& grad_bias = {}) {
     if constexpr (adds_grad_hidden<Backend, Operand, T, Compute> &&
@@ -349,14 +352,10 @@ class chunk_sweep {
       if (grad_bias.size) backend_.column_sums(dz, alpha, grad_bias.slice(first, count));
       backend_.grad_hidden(dz, slice.weight, alpha, grad_hidden_sum.rows_slice(slice.slice_first, slice.rows),
                            slice.weight_block, first_tile ? Compute(0) : Compute(1));
-      const auto grad_weight = weight_gradient.grad_weight.rows_slice(first, count);
-      if (weight_gradient.tile_scratch) {
-        backend_.grad_weight(dz, slice.hidden, alpha, grad_weight, weight_gradient.tile_scratch);
-      } else if constexpr (rounds_accumulated_weight_gradient<Backend, Operand, Compute, GradWeight>) {
-        backend_.grad_weight(dz, slice.hidden, alpha, weight_gradient.accumulator.rows_slice(0, count),
-                             first_slice ? Compute(0) : Compute(1),
-                             last_slice ? grad_weight : matrix_view<GradWeight>{});
-      }
+      auto tile_sink = weight_gradient;
+      tile_sink.grad_weight = weight_gradient.grad_weight.rows_slice(first, count);
+      if (tile_sink.accumulator.data) tile_sink.accumulator = weight_gradient.accumulator.rows_slice(0, count);
+      add_weight_gradient(slice, dz, alpha, tile_sink);
     } else {
       static_assert(sizeof(GradWeight) == 0, "the vocabulary order needs adds_grad_hidden and adds_weight_gradient_tiles");
     }
