@@ -4,7 +4,9 @@
 set -euo pipefail
 
 # libdnnl-dev: oneDNN, for bfloat16 GEMMs on the CPU's bf16 instructions (LCE_BF16_GEMM=auto|onednn).
-packages=(cmake g++ make pkg-config libopenblas-dev doctest-dev libopenmpi-dev openmpi-bin libeigen3-dev libdnnl-dev)
+# ocl-icd-opencl-dev: dnnl-config.cmake finds OpenCL; only a Recommends of libdnnl-dev, which
+# --no-install-recommends leaves out, so a bare machine failed to configure without it.
+packages=(cmake g++ make pkg-config libopenblas-dev doctest-dev libopenmpi-dev openmpi-bin libeigen3-dev libdnnl-dev ocl-icd-opencl-dev)
 
 missing=()
 for p in "${packages[@]}"; do
