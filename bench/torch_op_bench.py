@@ -8,7 +8,8 @@ mean cross-entropy of an LM head, hidden [N, H] -> logits [N, V] -> loss.
   lce           lce_torch.linear_cross_entropy(x, w, y)       (one sweep: forward_backward, 3 GEMMs/chunk)
   lce_2sweep    lce_torch.linear_cross_entropy(x, w, y, fused=False)
                 (forward, then the backward op: 4 GEMMs/chunk, as for log-probs with any loss)
-  lce_32mib     lce with workspace_limit_bytes = 32 MiB (not run unless named in --variants)
+  lce_32mib     lce with workspace_limit_bytes = 32 MiB (not run unless named in --variants);
+                likewise lce_<M>mib for M MiB, lce_chunk<R> for chunks of R tokens
 
 For each dtype (float32, bfloat16), vocabulary V and thread count (torch.set_num_threads,
 which lce's op follows too), the time of forward + backward (best of --reps after a
@@ -75,6 +76,19 @@ VARIANTS = {
 DEFAULT_VARIANTS = "plain,torch_chunked,lce,lce_2sweep"
 
 
+def variant(name):
+    """A named path, or lce_chunk<R> (chunks of R tokens) / lce_<M>mib (a workspace limit of M MiB)."""
+    if name in VARIANTS:
+        return VARIANTS[name]
+    if name.startswith("lce_chunk") and name[len("lce_chunk"):].isdigit():
+        rows = int(name[len("lce_chunk"):])
+        return lambda x, w, y: lce_torch.linear_cross_entropy(x, w, y, chunk_tokens=rows)
+    if name.startswith("lce_") and name.endswith("mib") and name[4:-3].isdigit():
+        limit = int(name[4:-3]) << 20
+        return lambda x, w, y: lce_torch.linear_cross_entropy(x, w, y, workspace_limit_bytes=limit)
+    raise SystemExit(f"unknown variant {name!r}: any of {','.join(VARIANTS)}, lce_chunk<R>, lce_<M>mib")
+
+
 def run_once(fn, x, w, y):
     x.grad = w.grad = None
     gc.collect()
@@ -99,7 +113,8 @@ def main():
     p.add_argument("--tokens", default="2048", help="token counts N, comma-separated")
     p.add_argument("--threads", default="1,2")
     p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--variants", default=DEFAULT_VARIANTS, help=f"any of {','.join(VARIANTS)}")
+    p.add_argument("--variants", default=DEFAULT_VARIANTS,
+                   help=f"any of {','.join(VARIANTS)}, lce_chunk<R> (R-token chunks), lce_<M>mib (M MiB workspace)")
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--json", default="")
     args = p.parse_args()
@@ -133,13 +148,13 @@ def main():
                 torch.set_num_threads(threads)
                 names = args.variants.split(",")
                 for name in names:
-                    run_once(VARIANTS[name], *small)  # warm-up: lazy initialisation, thread pools
+                    run_once(variant(name), *small)  # warm-up: lazy initialisation, thread pools
                 # Interleaved (plain, ..., lce, plain, ...): a slow spell of a shared machine
                 # lands on every path, not on one path's block of repetitions.
                 runs = {name: [] for name in names}
                 for _ in range(args.reps):
                     for name in names:
-                        runs[name].append(run_once(VARIANTS[name], x, w, y))
+                        runs[name].append(run_once(variant(name), x, w, y))
                 for name in names:
                     loss, wall, cpu, extra, notes = min(runs[name], key=lambda r: r[1])
                     median = statistics.median(r[1] for r in runs[name])

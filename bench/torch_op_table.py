@@ -19,8 +19,9 @@ def table(results):
     rows = {}
     for r in results:
         rows.setdefault((r["dtype"], r["vocab"], r["tokens"], r["threads"]), {})[r["path"]] = r
-    paths = [p for p in ORDER if any(p in cells for cells in rows.values())]
-    lines = ["| dtype | V | N | threads | " + " | ".join(TITLES[p] for p in paths) +
+    seen = {p for cells in rows.values() for p in cells}
+    paths = [p for p in ORDER if p in seen] + sorted(seen - set(ORDER))
+    lines = ["| dtype | V | N | threads | " + " | ".join(TITLES.get(p, p) for p in paths) +
              " | lce / plain time (min; median) | plain / lce memory |",
              "|---|---:|---:|---:|" + "---:|" * len(paths) + "---:|---:|"]
     for (dtype, v, n, threads), cells in rows.items():

@@ -641,3 +641,19 @@ TEST_CASE("host::allocate: a large block is backed by transparent huge pages whe
   CAPTURE(mode);
   CHECK(huge >= bytes / 2);
 }
+
+TEST_CASE("host::allocate with scratch_pages::base: no huge-page advice (the pages the allocator gives)") {
+  const std::string mode = transparent_huge_pages_mode();
+  if (mode != "madvise") {
+    MESSAGE("transparent huge pages are '" << mode << "' here: only 'madvise' tells advice from none");
+    return;
+  }
+  lce::host backend{1, lce::scratch_pages::base};
+  const std::size_t bytes = std::size_t{64} << 20;
+  auto* block = static_cast<unsigned char*>(backend.allocate(bytes));
+  std::memset(block, 1, bytes);
+  const auto begin = reinterpret_cast<std::uintptr_t>(block);
+  const std::size_t huge = anon_huge_page_bytes(begin, begin + bytes);
+  backend.deallocate(block, bytes);
+  CHECK(huge == 0);
+}

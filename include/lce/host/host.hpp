@@ -8,6 +8,9 @@
 //   lce::host{threads}    that many, for the GEMM tiles and the row passes
 //                         (the BLAS runs one thread per GEMM tile)
 //   lce::basic_host<P>{provider, threads}   the GEMMs from another provider
+//   ..., lce::scratch_pages::base           no transparent huge pages for the
+//                                           scratch (a caller that frees it after
+//                                           every call; see scratch_pages)
 //
 // Results are bitwise the same whatever the thread count: rows are
 // independent and each is reduced in a fixed order; GEMM tiles and the
@@ -53,6 +56,19 @@ struct provider_call_scope<P> {
 };
 }  // namespace detail
 
+// Whether the host backend's large scratch blocks ask for transparent huge
+// pages. With scratch kept between calls (the operator's default) the advice
+// trades one fault per 4 KiB for one per 2 MiB, once. A caller that frees the
+// scratch after every call (lce_torch) maps it afresh each time, and there,
+// in a virtual machine, fresh huge pages can cost more than the faults they
+// save: through lce_torch at N = 1,024, V = 32,000 on 2 cores, a call right
+// after PyTorch's own ops took 0.45 s with them and 0.23 s without (bf16;
+// float32 0.87 s and 0.75 s), the wall time lost outside the process.
+enum class scratch_pages {
+  transparent_huge,  // madvise(MADV_HUGEPAGE) on blocks of 8 MiB or more (Linux)
+  base,              // the allocator's pages as they come
+};
+
 template <gemm_provider Gemm>
 class basic_host {
  public:
@@ -67,13 +83,14 @@ class basic_host {
                                           compute_t<T>>;
 
   // threads <= 0: one per CPU this process may run on (its affinity mask).
-  explicit basic_host(int threads = 0)
+  explicit basic_host(int threads = 0, scratch_pages pages = scratch_pages::transparent_huge)
     requires std::default_initializable<Gemm>
-      : basic_host(Gemm{}, threads) {}
+      : basic_host(Gemm{}, threads, pages) {}
 
-  explicit basic_host(Gemm gemm, int threads = 0)
+  explicit basic_host(Gemm gemm, int threads = 0, scratch_pages pages = scratch_pages::transparent_huge)
       : gemm_(std::move(gemm)),
-        pool_(std::make_unique<detail::thread_pool>(threads > 0 ? threads : detail::available_cpus())) {}
+        pool_(std::make_unique<detail::thread_pool>(threads > 0 ? threads : detail::available_cpus())),
+        pages_(pages) {}
 
   int threads() const { return pool_->size(); }
 
@@ -108,10 +125,11 @@ class basic_host {
   // checks its arguments against this before any work.
   static constexpr std::int64_t max_gemm_extent = INT_MAX;
 
-  // Large blocks get transparent huge pages where the kernel offers them (detail/huge_pages.hpp).
+  // Large blocks get transparent huge pages where the kernel offers them
+  // (detail/huge_pages.hpp), unless this backend was made with scratch_pages::base.
   void* allocate(std::size_t bytes) {
     void* block = ::operator new(bytes, std::align_val_t{alignment});
-    detail::advise_huge_pages(block, bytes);
+    if (pages_ == scratch_pages::transparent_huge) detail::advise_huge_pages(block, bytes);
     return block;
   }
   void deallocate(void* pointer, std::size_t) { ::operator delete(pointer, std::align_val_t{alignment}); }
@@ -814,6 +832,7 @@ class basic_host {
 
   Gemm gemm_;
   std::unique_ptr<detail::thread_pool> pool_;
+  scratch_pages pages_ = scratch_pages::transparent_huge;
 };
 
 // The CPU backend with the BLAS lce links.

@@ -98,12 +98,10 @@ inline rows_view as_rows(const at::Tensor& x, const char* name) {
   return {m, rows, cols, ld};
 }
 
-// grad_weight, zeroed for the operator's +=: a fresh [V, H] block, so it asks for huge
-// pages before the zeroing touches it (one fault per 2 MiB, not per 4 KiB).
+// grad_weight, zeroed for the operator's +=: a fresh [V, H] block on the
+// allocator's own pages, like the scratch (see operator_cache).
 inline at::Tensor zeroed_weight_gradient(std::int64_t rows, std::int64_t cols, const at::TensorOptions& options) {
-  at::Tensor dw = at::empty({rows, cols}, options.memory_format(at::MemoryFormat::Contiguous));
-  lce::detail::advise_huge_pages(dw.data_ptr(), dw.nbytes());
-  return dw.zero_();
+  return at::zeros({rows, cols}, options.memory_format(at::MemoryFormat::Contiguous));
 }
 
 // A 1-D unit-stride tensor of the same elements (per-token vectors; small).
@@ -153,7 +151,10 @@ class operator_cache {
     for (auto& e : entries)
       if (e.threads == threads && e.group == group && same(e.opt, o)) return *e.op;
     if (entries.size() >= 8) entries.erase(entries.begin());
-    entries.push_back({o, group, threads, std::make_unique<op_t>(std::move(comm), o, backend_t{threads})});
+    // The scratch is given back after each call (keep_workspace), so each call maps it
+    // afresh: on the allocator's own pages, not transparent huge ones (lce::scratch_pages).
+    entries.push_back({o, group, threads,
+                       std::make_unique<op_t>(std::move(comm), o, backend_t{threads, lce::scratch_pages::base})});
     return *entries.back().op;
   }
 
