@@ -8,8 +8,8 @@ mean cross-entropy of an LM head, hidden [N, H] -> logits [N, V] -> loss.
   lce           lce_torch.linear_cross_entropy(x, w, y)       (one sweep: forward_backward, 3 GEMMs/chunk)
   lce_2sweep    lce_torch.linear_cross_entropy(x, w, y, fused=False)
                 (forward, then the backward op: 4 GEMMs/chunk, as for log-probs with any loss)
-  lce_32mib     lce with workspace_limit_bytes = 32 MiB (not run unless named in --variants);
-                likewise lce_<M>mib for M MiB, lce_chunk<R> for chunks of R tokens
+  lce_<M>mib    lce with workspace_limit_bytes = M MiB (e.g. lce_32mib), and
+  lce_chunk<R>  lce with chunks of R tokens: run only when named in --variants
 
 For each dtype (float32, bfloat16), vocabulary V and thread count (torch.set_num_threads,
 which lce's op follows too), the time of forward + backward (best of --reps after a
@@ -70,10 +70,8 @@ VARIANTS = {
     "torch_chunked": lambda x, w, y: F.linear_cross_entropy(x, w, y, options=torch.nn.LinearCrossEntropyOptions()),
     "lce": lambda x, w, y: lce_torch.linear_cross_entropy(x, w, y),
     "lce_2sweep": lambda x, w, y: lce_torch.linear_cross_entropy(x, w, y, fused=False),
-    # lce with a 32 MiB workspace instead of its 256 MiB default (smaller chunks of logits).
-    "lce_32mib": lambda x, w, y: lce_torch.linear_cross_entropy(x, w, y, workspace_limit_bytes=32 << 20),
 }
-DEFAULT_VARIANTS = "plain,torch_chunked,lce,lce_2sweep"
+DEFAULT_VARIANTS = ",".join(VARIANTS)
 
 
 def variant(name):
@@ -146,15 +144,16 @@ def main():
             small = (x[:256].detach().clone().requires_grad_(True), w, y[:256])
             for threads in [int(s) for s in args.threads.split(",")]:
                 torch.set_num_threads(threads)
-                names = args.variants.split(",")
+                paths = {name: variant(name) for name in args.variants.split(",")}
+                names = list(paths)
                 for name in names:
-                    run_once(variant(name), *small)  # warm-up: lazy initialisation, thread pools
+                    run_once(paths[name], *small)  # warm-up: lazy initialisation, thread pools
                 # Interleaved (plain, ..., lce, plain, ...): a slow spell of a shared machine
                 # lands on every path, not on one path's block of repetitions.
                 runs = {name: [] for name in names}
                 for _ in range(args.reps):
                     for name in names:
-                        runs[name].append(run_once(variant(name), x, w, y))
+                        runs[name].append(run_once(paths[name], x, w, y))
                 for name in names:
                     loss, wall, cpu, extra, notes = min(runs[name], key=lambda r: r[1])
                     median = statistics.median(r[1] for r in runs[name])

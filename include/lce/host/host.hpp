@@ -832,7 +832,7 @@ class basic_host {
 
   Gemm gemm_;
   std::unique_ptr<detail::thread_pool> pool_;
-  scratch_pages pages_ = scratch_pages::transparent_huge;
+  scratch_pages pages_;
 };
 
 // The CPU backend with the BLAS lce links.
