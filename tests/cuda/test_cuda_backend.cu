@@ -18,6 +18,7 @@
 #include "cases/error_cases.hpp"
 #include "cases/forward_cases.hpp"
 #include "cases/target_set_cases.hpp"
+#include "cases/vocabulary_order_cases.hpp"
 
 #include <cuda/std/mdspan>
 
@@ -75,6 +76,11 @@ TEST_CASE_TEMPLATE("cuda: target sets: forward gives each id's log-prob, lse and
 TEST_CASE_TEMPLATE("cuda: target sets: backward and forward_backward match the materialised gradient", T,
                    LCE_CUDA_TYPES) {
   lce_test::cases::target_sets_gradients<lce_test::cuda_env, T>();
+}
+
+TEST_CASE_TEMPLATE("cuda: vocabulary order: forward, backward with entropy and forward_backward equal the reference",
+                   T, lce::bfloat16, lce::float16) {
+  cases::vocabulary_order::matches_reference<cuda_env, T>();
 }
 
 TEST_CASE_TEMPLATE("cuda: errors: the fixture itself is valid", T, LCE_CUDA_TYPES) {

@@ -91,6 +91,23 @@ concept rounds_accumulated_weight_gradient =
       b.grad_weight(operand, operand, alpha, dw, alpha, round_into);
     };
 
+// The most bytes of logits a block of the vocabulary order (see
+// adds_grad_hidden) holds, beside the workspace budget. The bound is for
+// speed: on the host the block's row passes then run near the cache, which
+// repays the order's extra GEMM (bf16, N = 1,024, V = 128,256, one thread:
+// 1.99 s with 16 MiB blocks, 3.40 s with two blocks of 256 MiB, 1.95 s for
+// the token order's one chunk of 525 MB). A GPU streams the block from
+// device memory at any size and says
+// `static constexpr std::size_t vocabulary_block_bytes = SIZE_MAX;`: the
+// budget alone bounds it, for fewer and larger GEMMs.
+template <class Backend>
+constexpr std::size_t vocabulary_block_bytes() {
+  if constexpr (requires { Backend::vocabulary_block_bytes; })
+    return Backend::vocabulary_block_bytes;
+  else
+    return std::size_t{16} << 20;
+}
+
 // Whether the gradient pass writes each row's dz, in the GEMM operand type,
 // over the start of that row's own logits (the host: a row is read before it
 // is overwritten, one row at a time), so that no separate operand block is

@@ -16,8 +16,12 @@
 //
 // With 2-byte inputs, dz is rounded to the storage type before the two
 // gradient GEMMs (tensor cores take bf16 x bf16, not fp32 x bf16); the
-// products still accumulate in fp32, and a 2-byte grad_weight accumulates
-// across chunks in an fp32 buffer written once at the end.
+// products still accumulate in fp32. A 2-byte grad_weight gets each sum
+// once: a call of one chunk has cuBLAS round it straight into grad_weight;
+// one of several sums it in an fp32 accumulator, added in by the last
+// chunk's GEMM; and on one rank, where that holds less, the call takes all
+// its tokens a vocabulary tile at a time (the engine's vocabulary order:
+// one more GEMM, an [N, H] fp32 sum of dX instead of the [V, H] accumulator).
 
 #include <lce/core/backend.hpp>
 #include <lce/core/config.hpp>
@@ -35,10 +39,12 @@
 #include <cuda_runtime_api.h>
 
 #include <climits>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <new>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -62,6 +68,8 @@ class cuda_backend {
   // dz = -g exp(z - lse) recomputed in the gradient pass costs less than a
   // second read-modify-write of the block in the statistics pass.
   static constexpr bool reuses_exp_block = false;
+  // The vocabulary order's blocks as large as the budget allows.
+  static constexpr std::size_t vocabulary_block_bytes = SIZE_MAX;
   // cublasGemmEx counts in int.
   static constexpr std::int64_t max_gemm_extent = INT_MAX;
 
@@ -104,14 +112,44 @@ class cuda_backend {
     detail::cublas::logits(handle(), state_->options.allow_tf32, x, w, alpha, out);
   }
 
+  // dx = alpha dz w + beta dx; beta 1 sums the vocabulary tiles' shares (adds_grad_hidden).
   template <class In, class A>
-  void grad_hidden(matrix_view<const In> dz, matrix_view<const In> w, A alpha, matrix_view<A> dx, void*) {
-    detail::cublas::grad_hidden(handle(), state_->options.allow_tf32, dz, w, alpha, dx);
+  void grad_hidden(matrix_view<const In> dz, matrix_view<const In> w, A alpha, matrix_view<A> dx, void*,
+                   A beta = A(0)) {
+    detail::cublas::grad_hidden(handle(), state_->options.allow_tf32, dz, w, alpha, dx, beta);
   }
 
+  // dw += alpha dz^T x
   template <class In, class A>
   void grad_weight(matrix_view<const In> dz, matrix_view<const In> x, A alpha, matrix_view<A> dw) {
-    detail::cublas::grad_weight(handle(), state_->options.allow_tf32, dz, x, alpha, dw);
+    detail::cublas::grad_weight(handle(), state_->options.allow_tf32, dz, x, alpha, dw, A(1));
+  }
+
+  // dw += alpha dz^T x into a 2-byte grad_weight of the inputs' own type
+  // (adds_weight_gradient_tiles): cuBLAS sums the product in fp32 onto dw and
+  // rounds into it once, so these tiles need no scratch.
+  template <class A>
+  static constexpr std::int64_t weight_gradient_tile_elements(std::int64_t, std::int64_t) {
+    return 0;
+  }
+  static constexpr int weight_gradient_tile_slots() { return 1; }
+
+  template <class O, class A, class G>
+    requires(!std::same_as<A, G> && std::same_as<O, G>)
+  void grad_weight(matrix_view<const O> dz, matrix_view<const O> x, A alpha, matrix_view<G> dw, A*) {
+    detail::cublas::grad_weight(handle(), state_->options.allow_tf32, dz, x, alpha, dw, A(1));
+  }
+
+  // dw = alpha dz^T x + beta dw on a call's [V_local, H] accumulator
+  // (rounds_accumulated_weight_gradient): the first chunk overwrites it
+  // (beta 0, no fill beforehand) and the last, with round_into, adds the
+  // finished sums into the grad_weight of element G.
+  template <class O, class A, class G>
+    requires(!std::same_as<A, G>)
+  void grad_weight(matrix_view<const O> dz, matrix_view<const O> x, A alpha, matrix_view<A> dw, A beta,
+                   matrix_view<G> round_into) {
+    detail::cublas::grad_weight(handle(), state_->options.allow_tf32, dz, x, alpha, dw, beta);
+    if (round_into.data) add(matrix_view<const A>(dw), round_into);
   }
 
   // ---- element conversions -------------------------------------------------
@@ -369,6 +407,7 @@ class cuda_backend {
 
   cublasHandle_t handle() const { return state_->handle; }
 
+
   static unsigned launch_blocks(const detail::cuda_launch::shape& launch) {
     return static_cast<unsigned>(launch.blocks);
   }
@@ -387,5 +426,8 @@ class cuda_backend {
 };
 
 static_assert(backend<cuda_backend>);
+static_assert(adds_grad_hidden<cuda_backend, bfloat16, bfloat16, float>);
+static_assert(adds_weight_gradient_tiles<cuda_backend, bfloat16, float, bfloat16>);
+static_assert(rounds_accumulated_weight_gradient<cuda_backend, float16, float, float16>);
 
 LCE_END_NAMESPACE

@@ -876,13 +876,10 @@ class engine {
   //    the tokens go in slices: the most rows whose [slice, tile] block fits
   //    both (at least one). A [tile, H] accumulator in the compute type sums
   //    each tile's dW over its slices (tiles_into_grad_weight is false).
-  // The block bound is for speed: its row passes then run near the cache,
-  // which on the CPU repays that GEMM (bf16, N = 1,024, V = 128,256, one
-  // thread: 1.99 s with 16 MiB blocks, 3.40 s with two blocks of 256 MiB,
-  // 1.95 s for the token order's one chunk of 525 MB). vocab_tile = 0: not
-  // available here (several ranks, a backend without adds_grad_hidden, or a
-  // tile as wide as the shard).
-  static constexpr std::size_t vocabulary_tile_block_bytes = std::size_t{16} << 20;
+  // The block bound is the backend's (vocabulary_block_bytes in
+  // core/backend.hpp). vocab_tile = 0: not available here (several ranks, a
+  // backend without adds_grad_hidden, or a tile as wide as the shard).
+  static constexpr std::size_t vocabulary_tile_block_bytes = vocabulary_block_bytes<Backend>();
   // Narrower tiles make every GEMM re-read (and the host's dW GEMMs re-pack)
   // all the slice's hidden rows once per few hundred vocabulary rows: bf16
   // on the CPU at N = 4,096-8,192 with all N rows in 1,024- and 512-column
@@ -961,7 +958,10 @@ class engine {
     if constexpr (std::same_as<GradWeight, Compute>) {
       return {.accumulator = grad_weight, .grad_weight = grad_weight};
     } else if (call.tiles_into_grad_weight) {
-      return {.accumulator = {}, .grad_weight = grad_weight, .tile_scratch = call.weight_gradient_scratch};
+      return {.accumulator = {},
+              .grad_weight = grad_weight,
+              .into_grad_weight = true,
+              .tile_scratch = call.weight_gradient_scratch};
     } else if (call.vocab_tile > 0) {
       // One vocabulary tile's dW at a time, overwritten by its first slice, added into grad_weight by its last.
       return {.accumulator = {call.weight_gradient_scratch, call.vocab_tile, grad_weight.cols, grad_weight.cols},
@@ -980,7 +980,7 @@ class engine {
   void end_weight_gradient(const weight_gradient_sink<Compute, GradWeight>& sink,
                            const matrix_view<GradWeight>& grad_weight) {
     if constexpr (!std::same_as<GradWeight, Compute>) {
-      if (!sink.tile_scratch && !sink.fused) backend_.add(matrix_view<const Compute>(sink.accumulator), grad_weight);
+      if (!sink.into_grad_weight && !sink.fused) backend_.add(matrix_view<const Compute>(sink.accumulator), grad_weight);
     }
   }
 

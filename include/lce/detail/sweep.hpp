@@ -102,15 +102,17 @@ struct chunk {
 };
 
 // Where a chunk's dW goes: summed into `accumulator` chunk by chunk
-// (grad_weight itself when it has the compute type), or, with `tile_scratch`,
-// each vocabulary tile summed there and added straight into `grad_weight`
-// (a one-chunk call; see adds_weight_gradient_tiles). `fused`: the backend
+// (grad_weight itself when it has the compute type), or, `into_grad_weight`,
+// straight into `grad_weight` by the backend's tiles (a one-chunk call; see
+// adds_weight_gradient_tiles), with `tile_scratch` (null where the backend's
+// tiles need none). `fused`: the backend
 // overwrites the accumulator in the first chunk and adds it into
 // grad_weight in the last (rounds_accumulated_weight_gradient).
 template <class Compute, class GradWeight>
 struct weight_gradient_sink {
   matrix_view<Compute> accumulator;
   matrix_view<GradWeight> grad_weight;
+  bool into_grad_weight = false;
   Compute* tile_scratch = nullptr;
   bool fused = false;
 };
@@ -520,7 +522,7 @@ class chunk_sweep {
   void add_weight_gradient(const chunk<T, Compute, Operand, Index>& c, const matrix_view<const Operand>& dz,
                            Compute alpha, const weight_gradient_sink<Compute, GradWeight>& sink) {
     if constexpr (adds_weight_gradient_tiles<Backend, Operand, Compute, GradWeight>) {
-      if (sink.tile_scratch) {
+      if (sink.into_grad_weight) {
         backend_.grad_weight(dz, c.hidden, alpha, sink.grad_weight, sink.tile_scratch);
         return;
       }

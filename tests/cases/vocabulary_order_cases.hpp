@@ -1,0 +1,104 @@
+// The vocabulary order (detail/engine.hpp: vocabulary_tiles_plan), shared
+// by the CPU suite (tests/unit/test_vocabulary_order.cpp) and the CUDA one.
+// A call on one rank with a grad_weight narrower than the compute type,
+// whose budget chunk holds fewer rows than it has tokens, would hold the
+// [V, H] dW accumulator on top of its chunks. Where all its tokens at once,
+// the vocabulary a tile at a time, hold less (an [N, H] sum of dX instead),
+// the call sweeps that way: every result must still be the materialised
+// reference's. Under a budget too small for every token over one tile, the
+// tokens go in slices too, and each tile's dW is summed over them in a
+// [tile, H] accumulator: the same results.
+#pragma once
+
+#include "cases/host_env.hpp"
+
+namespace lce_test::cases::vocabulary_order {
+
+// Shapes where N x H is far below V x H and the budget holds a few
+// vocabulary tiles of every token but not the whole vocabulary.
+// (Tiles are at least 4,096 vocabulary rows: vocabulary_tile_min_columns.)
+constexpr std::int64_t tokens = 48, hidden = 64, vocab = 12001;  // 12001: a ragged last tile
+constexpr std::int64_t min_tile = 4096;
+
+// all_rows: 1.25 MiB for 4-byte logits (2-byte T), twice that for double's:
+// every token over a tile. token_slices: 0.5 MiB (resp. 1 MiB): some 30
+// tokens over a tile, so slices of about 30 and 18 rows.
+enum class tiling { all_rows, token_slices };
+constexpr tiling tilings[] = {tiling::all_rows, tiling::token_slices};
+
+template <class T>
+constexpr std::size_t budget_bytes(tiling l = tiling::all_rows) {
+  return (l == tiling::all_rows ? std::size_t{1280} << 10 : std::size_t{512} << 10) * sizeof(lce::compute_t<T>) / 4;
+}
+
+template <class T>
+constexpr std::size_t tile_of_all_rows_bytes() {
+  return static_cast<std::size_t>(min_tile * tokens) * sizeof(lce::compute_t<T>);
+}
+
+template <class T>
+lce::options budget_options(float tau = 1.0f, float cap = 0.0f, tiling l = tiling::all_rows) {
+  lce::options o = make_options(tau, cap);
+  o.workspace_limit_bytes = budget_bytes<T>(l);
+  return o;
+}
+
+template <class T>
+using narrow_t = std::conditional_t<std::is_same_v<T, double>, float, T>;
+
+template <class T>
+std::size_t accumulator_bytes() {
+  return static_cast<std::size_t>(vocab * hidden) * sizeof(lce::compute_t<T>);
+}
+
+// The call took the vocabulary order: it holds less than the accumulator
+// alone, and less than one chunk of every token over the whole vocabulary.
+// With all rows at once, its block holds every token over a tile; with
+// token slices, a tile's [tile, H] accumulator and, within the budget
+// (below every token over a tile), a slice's block.
+template <class Op, class T>
+void check_took_vocabulary_order(const Op& op, tiling l = tiling::all_rows, std::int64_t h = hidden) {
+  const std::size_t one_chunk_logits = static_cast<std::size_t>(tokens * vocab) * sizeof(lce::compute_t<T>);
+  const std::size_t tile_accumulator = static_cast<std::size_t>(min_tile * h) * sizeof(lce::compute_t<T>);
+  const std::size_t tile_of_all_rows = tile_of_all_rows_bytes<T>();
+  REQUIRE(op.chunk_tokens(tokens, h, vocab) < tokens);  // the token order would need several chunks
+  const std::size_t held = op.held_workspace_bytes();
+  CHECK(held < accumulator_bytes<T>());
+  CHECK(held < one_chunk_logits);
+  CHECK(op.workspace_bytes(tokens, h, vocab) == held);
+  if (l == tiling::token_slices) {
+    static_assert(budget_bytes<T>(tiling::token_slices) < tile_of_all_rows_bytes<T>());
+    CHECK(held >= tile_accumulator);
+    CHECK(held <= budget_bytes<T>(l) + tile_accumulator);
+  } else {
+    CHECK(held >= tile_of_all_rows);
+  }
+}
+
+
+// forward, backward with entropy and forward_backward, for every tiling and
+// scaling, against the reference; returns nothing, checks everything.
+template <class Env, class T>
+void matches_reference(int threads = 0) {
+  using G = narrow_t<T>;
+  using O = out_t<T>;
+  for (const tiling l : tilings)
+  for (const auto& s : scalings) {
+    CAPTURE(int(l));
+    CAPTURE(s.tau);
+    CAPTURE(s.cap);
+    problem p = make_problem(tokens, hidden, vocab, 61, rounder_for<T>(), 1.0, 0.3, 0.1);
+    p.tau = s.tau;
+    p.cap = s.cap;
+    const auto g = random_vector(p.n, 62, -1.0, 1.0, rounder_for<O>());
+    const auto hg = random_vector(p.n, 63, -0.5, 0.5, rounder_for<O>());
+    const auto pre = random_vector(p.v * p.h, 64, -1.0, 1.0, rounder_for<G>());
+
+    auto op = Env::template make_op<T>(budget_options<T>(s.tau, s.cap, l), threads);
+    check_against_reference(exercise<T, G>(op, p, g, hg, pre), p, g, hg, pre, Env::template gradient_operand_unit<T>,
+                            Env::template gradient_operand_floor<T>);
+    check_took_vocabulary_order<decltype(op), T>(op, l);
+  }
+}
+
+}  // namespace lce_test::cases::vocabulary_order
