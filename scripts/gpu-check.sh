@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, on a machine with an NVIDIA GPU and the CUDA toolkit:
 #   1. builds lce's CUDA tests and benchmark for the local GPU's architecture;
-#   2. runs the CUDA tests, then again under compute-sanitizer (memcheck, racecheck);
+#   2. runs the CUDA tests (and the README's CUDA quickstart), then the backend's
+#      suite again under compute-sanitizer (memcheck, racecheck);
 #   3. runs the benchmark: N = 8,192, H = 4,096, V = 128,256 in bf16 against
 #      materialised cuBLAS logits and the bare GEMMs, and the longest sequence
 #      in a device-memory budget at H = 3,584, V = 152,064.
@@ -19,9 +20,17 @@ fi
 command -v cmake >/dev/null || "$root/scripts/install-deps.sh"
 
 build="$root/build/gpu"
-cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=native \
-      -DLCE_BUILD_EXAMPLES=OFF
-cmake --build "$build" -j"$(nproc)" --target lce_cuda_backend_test lce_bench_cuda
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=native
+# Every test labelled cuda (the backend's suite, the NCCL communicator's where
+# NCCL is, the README's CUDA quickstart) and the benchmark; nothing else.
+targets=(lce_bench_cuda)
+for test in $(ctest --test-dir "$build" -N -L cuda | sed -n 's/^ *Test *#[0-9]*: //p'); do
+  case "$test" in
+    example.cuda_quickstart) targets+=(lce_cuda_quickstart) ;;
+    *) targets+=("$test") ;;
+  esac
+done
+cmake --build "$build" -j"$(nproc)" --target "${targets[@]}"
 
 echo "== CUDA tests =="
 ctest --test-dir "$build" -L cuda --output-on-failure

@@ -1,23 +1,27 @@
-# Checks that the README's quickstart is the code of examples/quickstart.cpp
-# between its two `// [quickstart]` markers, so the README cannot rot.
-#   cmake -DREADME=<README.md> -DEXAMPLE=<quickstart.cpp> -P readme_quickstart.cmake
+# Checks that a README snippet is the code of an example between its two
+# `// [NAME]` markers, so the README cannot rot (NAME: quickstart by default).
+#   cmake -DREADME=<README.md> -DEXAMPLE=<source> [-DNAME=<marker>] -P readme_quickstart.cmake
+# The README holds it as a ```cpp block between <!-- NAME:begin --> and <!-- NAME:end -->.
+if(NOT DEFINED NAME OR NAME STREQUAL "")
+  set(NAME quickstart)
+endif()
 file(READ "${EXAMPLE}" example)
-string(REGEX MATCH "// \\[quickstart\\][^\n]*\n(.*)\n[ ]*// \\[quickstart\\]" found "${example}")
+string(REGEX MATCH "// \\[${NAME}\\][^\n]*\n(.*)\n[ ]*// \\[${NAME}\\]" found "${example}")
 if(NOT found)
-  message(FATAL_ERROR "${EXAMPLE}: no region between two `// [quickstart]` markers")
+  message(FATAL_ERROR "${EXAMPLE}: no region between two `// [${NAME}]` markers")
 endif()
 set(from_example "${CMAKE_MATCH_1}")
 
 file(READ "${README}" readme)
-string(REGEX MATCH "<!-- quickstart:begin -->\n```cpp\n(.*)\n```\n<!-- quickstart:end -->" found "${readme}")
+string(REGEX MATCH "<!-- ${NAME}:begin -->\n```cpp\n(.*)\n```\n<!-- ${NAME}:end -->" found "${readme}")
 if(NOT found)
-  message(FATAL_ERROR "${README}: no ```cpp block between <!-- quickstart:begin --> and <!-- quickstart:end -->")
+  message(FATAL_ERROR "${README}: no ```cpp block between <!-- ${NAME}:begin --> and <!-- ${NAME}:end -->")
 endif()
 set(from_readme "${CMAKE_MATCH_1}")
 
 if(NOT from_example STREQUAL from_readme)
-  file(WRITE "${CMAKE_BINARY_DIR}/quickstart_from_example.txt" "${from_example}")
-  message(FATAL_ERROR "README quickstart differs from ${EXAMPLE}; the example's region is in "
-                      "${CMAKE_BINARY_DIR}/quickstart_from_example.txt")
+  file(WRITE "${CMAKE_BINARY_DIR}/${NAME}_from_example.txt" "${from_example}")
+  message(FATAL_ERROR "README ${NAME} differs from ${EXAMPLE}; the example's region is in "
+                      "${CMAKE_BINARY_DIR}/${NAME}_from_example.txt")
 endif()
-message(STATUS "README quickstart matches ${EXAMPLE}")
+message(STATUS "README ${NAME} matches ${EXAMPLE}")

@@ -25,9 +25,25 @@
 LCE_BEGIN_NAMESPACE
 namespace detail {
 
+// NCCL has a string for each result but no name.
+constexpr const char* nccl_result_name(ncclResult_t status) {
+  switch (status) {
+    case ncclSuccess: return "ncclSuccess";
+    case ncclUnhandledCudaError: return "ncclUnhandledCudaError";
+    case ncclSystemError: return "ncclSystemError";
+    case ncclInternalError: return "ncclInternalError";
+    case ncclInvalidArgument: return "ncclInvalidArgument";
+    case ncclInvalidUsage: return "ncclInvalidUsage";
+    case ncclRemoteError: return "ncclRemoteError";
+    case ncclInProgress: return "ncclInProgress";
+    default: return "ncclResult_t (unknown)";
+  }
+}
+
 inline void check_nccl(ncclResult_t status, const char* call, const char* file, int line) {
   if (status == ncclSuccess) return;
-  fail("NCCL: ", call, " failed: ", ncclGetErrorString(status), " at ", file, ":", line);
+  fail("NCCL: ", call, " failed: ", nccl_result_name(status), " (", ncclGetErrorString(status), ") at ", file, ":",
+       line);
 }
 
 }  // namespace detail
