@@ -6,6 +6,8 @@
 #   3. runs the benchmark: N = 8,192, H = 4,096, V = 128,256 in bf16 against
 #      materialised cuBLAS logits and the bare GEMMs, and the longest sequence
 #      in a device-memory budget at H = 3,584, V = 152,064.
+# With LCE_GPU_CHECK_TORCH=1 also lce_torch's CUDA kernels: builds the package with them
+# (scripts/test-torch.sh: a venv with torch==2.13.0) and runs integrations/torch/tests/test_cuda.py.
 # Output: the terminal, and build/gpu/gpu-check.json. Exit 77 when no GPU is found.
 #   scripts/gpu-check.sh [extra flags for lce_bench_cuda]
 set -euo pipefail
@@ -42,6 +44,11 @@ if command -v compute-sanitizer >/dev/null; then
   compute-sanitizer --tool racecheck --error-exitcode 1 "$tests"
 else
   echo "compute-sanitizer not found: skipped"
+fi
+
+if [ "${LCE_GPU_CHECK_TORCH:-0}" = 1 ]; then
+  echo "== lce_torch on CUDA (tests/test_cuda.py) =="
+  LCE_TORCH_CUDA=1 LCE_TORCH_TESTS=test_cuda.py MAX_JOBS=$(nproc) "$root/scripts/test-torch.sh"
 fi
 
 echo "== benchmark =="

@@ -58,7 +58,11 @@ MAX_JOBS=${MAX_JOBS:-2} "${pip[@]}" install -q --no-build-isolation "$root/integ
 # The tests import the installed package: run from elsewhere than integrations/torch (whose
 # source lce_torch/ would shadow it), with its pytest settings.
 mkdir -p "$root/build" && cd "$root/build"
-"$py" -c 'import lce_torch; print(lce_torch.blas_info())'
+"$py" -c 'import lce_torch; print(lce_torch.blas_info()); print("CUDA kernels:", lce_torch.built_with_cuda())'
+# LCE_TORCH_TESTS: the test files to run (default: all of them), e.g. test_cuda.py.
+tests=()
+for t in ${LCE_TORCH_TESTS:-}; do tests+=("$root/integrations/torch/tests/$t"); done
+[ ${#tests[@]} -eq 0 ] && tests=("$root/integrations/torch/tests")
 "$py" -m pytest -q -p no:cacheprovider -c "$root/integrations/torch/pyproject.toml" \
-  --rootdir "$root/integrations/torch" "$root/integrations/torch/tests"
+  --rootdir "$root/integrations/torch" "${tests[@]}"
 echo "PASS: lce_torch (PyTorch $("$py" -c 'import torch; print(torch.__version__)'))"

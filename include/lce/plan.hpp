@@ -53,8 +53,11 @@
 // Not counted: the rest of the model (give it as budget_bytes' complement),
 // the framework's allocator slack, the CUDA context and the collectives
 // library's own buffers, and activations saved by other layers. The lce
-// figures use lce's host (CPU) backend's workspace plan, which is the plan
-// every backend shares; only the 2-byte weight-widening slots are the host's.
+// figures use lce's host (CPU) backend's workspace plan. The CUDA backend's
+// holds the same budget and weighs the same choices (chunks, accumulator,
+// vocabulary order), filled differently: dz in its own 2-byte block instead
+// of the host's weight-widening slots and dW tiles, and vocabulary-order
+// blocks bounded by the budget alone (the host's by 16 MiB).
 
 #include <lce/chunked_hidden_to_logprobs.hpp>
 #include <lce/core/config.hpp>

@@ -8,16 +8,23 @@ or LCE_INCLUDE_DIR) and links OpenBLAS (pkg-config `openblas`, else
 The losses (csrc/losses.cpp, lce's include/lce/loss/) need CCCL's Thrust,
 which the CUDA toolkit ships under include/cccl: found as the project's CMake
 finds it (LCE_CCCL_INCLUDE_DIR, else $CUDA_PATH, $CUDA_HOME, /usr/local/cuda),
-compiled for the host (THRUST_DEVICE_SYSTEM_CPP; g++ only, no nvcc).
+compiled for the host (THRUST_DEVICE_SYSTEM_CPP).
 It is built with -O2 -march=native (LCE_TORCH_CXXFLAGS overrides the
 optimisation flags): it is compiled on the machine it runs on.
+
+CUDA tensors: where this torch is a CUDA build and the CUDA toolkit (nvcc,
+found as torch finds it: CUDA_HOME) is here, the ops also get CUDA kernels on
+lce's CUDA backend (csrc/cuda_ops.cu, compiled by nvcc for TORCH_CUDA_ARCH_LIST,
+or for this machine's GPUs, or for 9.0 when it has none). LCE_TORCH_CUDA=0
+builds without them, LCE_TORCH_CUDA=1 insists.
 """
 import os
 import shlex
 import subprocess
 
 from setuptools import setup
-from torch.utils.cpp_extension import BuildExtension, CppExtension
+import torch
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
 
 here = os.path.dirname(os.path.abspath(__file__))
 lce_include = os.environ.get("LCE_INCLUDE_DIR", os.path.join(here, "..", "..", "include"))
@@ -67,20 +74,38 @@ rpath = [f"-Wl,-rpath,{d}" for d in library_dirs]
 
 opt = shlex.split(os.environ.get("LCE_TORCH_CXXFLAGS", "-O2 -march=native"))
 
-setup(
-    ext_modules=[
-        CppExtension(
-            "lce_torch._C",
-            sources=[os.path.join("csrc", f) for f in ("module.cpp", "register.cpp", "ops_full.cpp", "ops_half.cpp",
-                                                               "losses.cpp")],
-            include_dirs=include_dirs,
-            # The losses' Thrust algorithms run on the host (thrust::host; no CUDA compiler here).
-            define_macros=[("THRUST_DEVICE_SYSTEM", "THRUST_DEVICE_SYSTEM_CPP")],
-            library_dirs=library_dirs,
-            libraries=libraries,
-            extra_compile_args=["-std=c++20", *opt, "-g0", "-Wno-deprecated-declarations"],
-            extra_link_args=rpath,
-        )
-    ],
-    cmdclass={"build_ext": BuildExtension},
-)
+
+def with_cuda():
+    """Whether to build the CUDA kernels (see the module's docstring)."""
+    setting = os.environ.get("LCE_TORCH_CUDA", "auto")
+    if setting == "0":
+        return False
+    nvcc = os.path.join(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else None
+    available = torch.version.cuda is not None and nvcc is not None and os.path.exists(nvcc)
+    if setting == "1" and not available:
+        raise RuntimeError(f"LCE_TORCH_CUDA=1: needs a CUDA build of torch (torch.version.cuda = {torch.version.cuda}) "
+                           f"and nvcc under CUDA_HOME (= {CUDA_HOME})")
+    return available
+
+
+sources = [os.path.join("csrc", f) for f in ("module.cpp", "register.cpp", "ops_full.cpp", "ops_half.cpp", "losses.cpp")]
+cxx_flags = ["-std=c++20", *opt, "-g0", "-Wno-deprecated-declarations"]
+# The losses' Thrust algorithms run on the host (thrust::host).
+macros = [("THRUST_DEVICE_SYSTEM", "THRUST_DEVICE_SYSTEM_CPP")]
+common = dict(include_dirs=include_dirs, library_dirs=library_dirs, libraries=libraries, extra_link_args=rpath)
+if with_cuda():
+    if "TORCH_CUDA_ARCH_LIST" not in os.environ and torch.cuda.device_count() == 0:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = "9.0"  # no GPU here to build for: compile for one
+    extension = CUDAExtension(
+        "lce_torch._C",
+        sources=sources + [os.path.join("csrc", "cuda_ops.cu")],
+        define_macros=macros + [("LCE_TORCH_WITH_CUDA", "1")],
+        extra_compile_args={"cxx": cxx_flags, "nvcc": ["-std=c++20", "-O2"]},
+        libraries=libraries + ["cublas"],
+        **{k: v for k, v in common.items() if k != "libraries"},
+    )
+else:
+    extension = CppExtension("lce_torch._C", sources=sources, define_macros=macros, extra_compile_args=cxx_flags,
+                             **common)
+
+setup(ext_modules=[extension], cmdclass={"build_ext": BuildExtension})

@@ -407,7 +407,6 @@ class cuda_backend {
 
   cublasHandle_t handle() const { return state_->handle; }
 
-
   static unsigned launch_blocks(const detail::cuda_launch::shape& launch) {
     return static_cast<unsigned>(launch.blocks);
   }

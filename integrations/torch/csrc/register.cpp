@@ -1,4 +1,4 @@
-// The lce:: torch operators: schemas (TORCH_LIBRARY) and their CPU kernels.
+// The lce:: torch operators: schemas (TORCH_LIBRARY) and their CPU and CUDA kernels.
 // Fake (meta) kernels and autograd are registered in Python
 // (lce_torch/_ops.py: torch.library.register_fake / register_autograd).
 //
@@ -22,6 +22,8 @@
 // group_name (a torch.distributed group's name; None: one rank).
 
 #include "kernels.hpp"
+#include "process_group_comm.hpp"
+#include "torch_gemm.hpp"
 
 #include <lce/host/blas_info.hpp>
 
@@ -29,7 +31,12 @@
 
 #include <atomic>
 #include <exception>
+#include <type_traits>
 #include <vector>
+
+#ifndef LCE_TORCH_WITH_CUDA
+#define LCE_TORCH_WITH_CUDA 0
+#endif
 
 namespace lce_torch {
 
@@ -60,11 +67,20 @@ config make_config(std::int64_t vocab_start, std::int64_t ignore_index, double t
   return c;
 }
 
+template <class Device>
 void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
                   const char* targets_name = "targets") {
-  TORCH_CHECK(hidden.device().is_cpu() && weight.device().is_cpu() && targets.device().is_cpu(),
-              "lce_torch: hidden, weight and targets must all be CPU tensors, got ", hidden.device(), ", ",
-              weight.device(), ", ", targets.device());
+  if constexpr (std::is_same_v<Device, cpu_device>) {
+    TORCH_CHECK(hidden.device().is_cpu() && weight.device().is_cpu() && targets.device().is_cpu(),
+                "lce_torch: hidden, weight and targets must all be CPU tensors, got ", hidden.device(), ", ",
+                weight.device(), ", ", targets.device());
+  } else {
+    TORCH_CHECK(hidden.device().is_cuda() && weight.device() == hidden.device() && targets.device() == hidden.device(),
+                "lce_torch: hidden, weight and targets must all be on one CUDA device, got ", hidden.device(), ", ",
+                weight.device(), ", ", targets.device());
+    TORCH_CHECK_TYPE(hidden.scalar_type() != at::kDouble,
+                     "lce_torch: float64 runs on the CPU only (gradcheck); CUDA takes float32, bfloat16 and float16");
+  }
   TORCH_CHECK(hidden.dim() >= 1, "lce_torch: hidden must be [..., H], got a scalar");
   TORCH_CHECK(weight.dim() == 2, "lce_torch: weight must be [V_local, H], got ", weight.dim(), " dimensions ",
               weight.sizes());
@@ -78,11 +94,13 @@ void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::
 }
 
 // Calls f.template operator()<TorchT>() for the dtype of hidden.
-template <class F>
+// (float64 on the CPU only: check_inputs has turned it away from CUDA.)
+template <class Device, class F>
 decltype(auto) dispatch(at::ScalarType t, F&& f) {
+  using Wide = std::conditional_t<std::is_same_v<Device, cpu_device>, double, float>;
   switch (t) {
     case at::kFloat: return f.template operator()<float>();
-    case at::kDouble: return f.template operator()<double>();
+    case at::kDouble: return f.template operator()<Wide>();
     case at::kBFloat16: return f.template operator()<c10::BFloat16>();
     default: return f.template operator()<c10::Half>();
   }
@@ -96,7 +114,8 @@ std::int64_t dtype_code(const at::Tensor& t) { return static_cast<std::int64_t>(
 // arguments fail here (a dtype, a shape torch rejects, bad options) makes every
 // rank raise instead of leaving the others waiting in a collective: it gets
 // its own error, the others "lce_torch: rank r rejected its arguments".
-template <class Prepare>
+// (CUDA tensors take no group yet: cuda_device refuses one in prepare.)
+template <class Device, class Prepare>
 auto agreed(const config& c, const at::Tensor& hidden, Prepare&& prepare) {
   using plan_t = decltype(prepare());
   plan_t plan;
@@ -106,7 +125,7 @@ auto agreed(const config& c, const at::Tensor& hidden, Prepare&& prepare) {
   } catch (...) {
     failure = std::current_exception();
   }
-  if (c.group_name) {
+  if (std::is_same_v<Device, cpu_device> && c.group_name) {
     const process_group_comm comm(*c.group_name);
     if (comm.size() > 1) {
       const std::int64_t mine[2] = {failure ? 0 : 1, dtype_code(hidden)};
@@ -125,21 +144,23 @@ auto agreed(const config& c, const at::Tensor& hidden, Prepare&& prepare) {
   return plan();
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprobs_cpu(
+template <class Device>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprobs_on(
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, bool with_entropy,
     bool with_mean_logit, std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel,
     std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                                workspace_limit_bytes, group_name);
-  return agreed(c, hidden, [&] {
-    check_inputs(hidden, weight, targets);
-    return dispatch(hidden.scalar_type(), [&]<class TorchT>() {
-      return kernels<TorchT>::forward(hidden, weight, targets, with_entropy, with_mean_logit, c);
+  return agreed<Device>(c, hidden, [&] {
+    check_inputs<Device>(hidden, weight, targets);
+    return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
+      return kernels<TorchT, Device>::forward(hidden, weight, targets, with_entropy, with_mean_logit, c);
     });
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> logprobs_backward_cpu(
+template <class Device>
+std::tuple<at::Tensor, at::Tensor> logprobs_backward_on(
     const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy, const at::Tensor& hidden,
     const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& lse,
     const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit,
@@ -147,47 +168,50 @@ std::tuple<at::Tensor, at::Tensor> logprobs_backward_cpu(
     std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                                workspace_limit_bytes, group_name);
-  return agreed(c, hidden, [&] {
-    check_inputs(hidden, weight, targets);
-    return dispatch(hidden.scalar_type(), [&]<class TorchT>() {
-      return kernels<TorchT>::backward(grad_logprobs, grad_entropy, hidden, weight, targets, lse, grad_lse,
+  return agreed<Device>(c, hidden, [&] {
+    check_inputs<Device>(hidden, weight, targets);
+    return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
+      return kernels<TorchT, Device>::backward(grad_logprobs, grad_entropy, hidden, weight, targets, lse, grad_lse,
                                        grad_mean_logit, c);
     });
   });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprobs_forward_backward_cpu(
+template <class Device>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprobs_forward_backward_on(
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& grad_logprobs,
     const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit,
     bool with_mean_logit, std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel,
     std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                                workspace_limit_bytes, group_name);
-  return agreed(c, hidden, [&] {
-    check_inputs(hidden, weight, targets);
-    return dispatch(hidden.scalar_type(), [&]<class TorchT>() {
-      return kernels<TorchT>::forward_backward(hidden, weight, targets, grad_logprobs, grad_lse,
+  return agreed<Device>(c, hidden, [&] {
+    check_inputs<Device>(hidden, weight, targets);
+    return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
+      return kernels<TorchT, Device>::forward_backward(hidden, weight, targets, grad_logprobs, grad_lse,
                                                grad_mean_logit, with_mean_logit, c);
     });
   });
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> target_set_logprobs_cpu(
+template <class Device>
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> target_set_logprobs_on(
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& ids, bool with_entropy,
     bool with_mean_logit, std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap,
     bool sequence_parallel, std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes,
     std::optional<std::string> group_name) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                                workspace_limit_bytes, group_name);
-  return agreed(c, hidden, [&] {
-    check_inputs(hidden, weight, ids, "ids");
-    return dispatch(hidden.scalar_type(), [&]<class TorchT>() {
-      return kernels<TorchT>::set_forward(hidden, weight, ids, with_entropy, with_mean_logit, c);
+  return agreed<Device>(c, hidden, [&] {
+    check_inputs<Device>(hidden, weight, ids, "ids");
+    return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
+      return kernels<TorchT, Device>::set_forward(hidden, weight, ids, with_entropy, with_mean_logit, c);
     });
   });
 }
 
-std::tuple<at::Tensor, at::Tensor> target_set_logprobs_backward_cpu(
+template <class Device>
+std::tuple<at::Tensor, at::Tensor> target_set_logprobs_backward_on(
     const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy, const at::Tensor& hidden,
     const at::Tensor& weight, const at::Tensor& ids, const at::Tensor& lse,
     const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit,
@@ -195,53 +219,13 @@ std::tuple<at::Tensor, at::Tensor> target_set_logprobs_backward_cpu(
     std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                                workspace_limit_bytes, group_name);
-  return agreed(c, hidden, [&] {
-    check_inputs(hidden, weight, ids, "ids");
-    return dispatch(hidden.scalar_type(), [&]<class TorchT>() {
-      return kernels<TorchT>::set_backward(grad_logprobs, grad_entropy, hidden, weight, ids, lse, grad_lse,
+  return agreed<Device>(c, hidden, [&] {
+    check_inputs<Device>(hidden, weight, ids, "ids");
+    return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
+      return kernels<TorchT, Device>::set_backward(grad_logprobs, grad_entropy, hidden, weight, ids, lse, grad_lse,
                                            grad_mean_logit, c);
     });
   });
-}
-
-// CUDA: lce's CUDA backend (lce::cuda_backend{cudaStream_t}) is not in the
-// repository yet. When it lands, these become kernels instantiating
-// ChunkedHiddenToLogprobs<..., lce::cuda_backend> on
-// at::cuda::getCurrentCUDAStream(), with a communicator over ProcessGroupNCCL;
-// the schemas, fake kernels and autograd stay as they are.
-[[noreturn]] void no_cuda_yet() {
-  TORCH_CHECK_NOT_IMPLEMENTED(false,
-                              "lce_torch: CUDA tensors need lce's CUDA backend, which is not built yet; "
-                              "move hidden, weight and targets to the CPU");
-}
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprobs_cuda(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, bool, std::int64_t, std::int64_t, double, double,
-    bool, std::int64_t, std::int64_t, std::optional<std::string>) {
-  no_cuda_yet();
-}
-std::tuple<at::Tensor, at::Tensor> logprobs_backward_cuda(
-    const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, std::int64_t,
-    std::int64_t, double, double, bool, std::int64_t, std::int64_t, std::optional<std::string>) {
-  no_cuda_yet();
-}
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprobs_forward_backward_cuda(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
-    const std::optional<at::Tensor>&, bool, std::int64_t, std::int64_t, double, double, bool, std::int64_t,
-    std::int64_t, std::optional<std::string>) {
-  no_cuda_yet();
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> target_set_logprobs_cuda(
-    const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, bool, std::int64_t, std::int64_t, double, double,
-    bool, std::int64_t, std::int64_t, std::optional<std::string>) {
-  no_cuda_yet();
-}
-std::tuple<at::Tensor, at::Tensor> target_set_logprobs_backward_cuda(
-    const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-    const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, std::int64_t,
-    std::int64_t, double, double, bool, std::int64_t, std::int64_t, std::optional<std::string>) {
-  no_cuda_yet();
 }
 
 // lce's report, with what runs this package's GEMMs (torch_gemm.hpp). Slow OpenBLAS
@@ -276,21 +260,42 @@ TORCH_LIBRARY(lce, m) {
         ") -> (Tensor grad_hidden, Tensor grad_weight)");
   m.def("blas_info() -> str", &lce_torch::blas_info_line);
   m.def("set_keep_workspace(bool keep) -> ()", &lce_torch::set_keep_workspace);
+  m.def("built_with_cuda() -> bool", [] { return static_cast<bool>(LCE_TORCH_WITH_CUDA); });
 }
 
 TORCH_LIBRARY_IMPL(lce, CPU, m) {
-  m.impl("logprobs", &lce_torch::logprobs_cpu);
-  m.impl("logprobs_backward", &lce_torch::logprobs_backward_cpu);
-  m.impl("logprobs_forward_backward", &lce_torch::logprobs_forward_backward_cpu);
-  m.impl("target_set_logprobs", &lce_torch::target_set_logprobs_cpu);
-  m.impl("target_set_logprobs_backward", &lce_torch::target_set_logprobs_backward_cpu);
+  using lce_torch::cpu_device;
+  m.impl("logprobs", &lce_torch::logprobs_on<cpu_device>);
+  m.impl("logprobs_backward", &lce_torch::logprobs_backward_on<cpu_device>);
+  m.impl("logprobs_forward_backward", &lce_torch::logprobs_forward_backward_on<cpu_device>);
+  m.impl("target_set_logprobs", &lce_torch::target_set_logprobs_on<cpu_device>);
+  m.impl("target_set_logprobs_backward", &lce_torch::target_set_logprobs_backward_on<cpu_device>);
 }
 
-// The place for the CUDA kernels (see no_cuda_yet above).
+// CUDA tensors: lce::cuda_backend on the current stream (cuda_device.cuh),
+// where lce_torch was built with the CUDA toolkit; elsewhere this package's
+// reason rather than the dispatcher's "could not run".
+#if LCE_TORCH_WITH_CUDA
 TORCH_LIBRARY_IMPL(lce, CUDA, m) {
-  m.impl("logprobs", &lce_torch::logprobs_cuda);
-  m.impl("logprobs_backward", &lce_torch::logprobs_backward_cuda);
-  m.impl("logprobs_forward_backward", &lce_torch::logprobs_forward_backward_cuda);
-  m.impl("target_set_logprobs", &lce_torch::target_set_logprobs_cuda);
-  m.impl("target_set_logprobs_backward", &lce_torch::target_set_logprobs_backward_cuda);
+  using lce_torch::cuda_device;
+  m.impl("logprobs", &lce_torch::logprobs_on<cuda_device>);
+  m.impl("logprobs_backward", &lce_torch::logprobs_backward_on<cuda_device>);
+  m.impl("logprobs_forward_backward", &lce_torch::logprobs_forward_backward_on<cuda_device>);
+  m.impl("target_set_logprobs", &lce_torch::target_set_logprobs_on<cuda_device>);
+  m.impl("target_set_logprobs_backward", &lce_torch::target_set_logprobs_backward_on<cuda_device>);
 }
+#else
+namespace {
+void built_without_cuda(const c10::OperatorHandle& op, torch::jit::Stack*) {
+  TORCH_CHECK_NOT_IMPLEMENTED(false, "lce_torch: ", op.schema().name(),
+                              " on CUDA tensors: this lce_torch was built without the CUDA toolkit (no nvcc or "
+                              "CUDA_HOME at install, or LCE_TORCH_CUDA=0); reinstall where the toolkit is, or move "
+                              "hidden, weight and targets to the CPU");
+}
+}  // namespace
+TORCH_LIBRARY_IMPL(lce, CUDA, m) {
+  for (const char* name : {"logprobs", "logprobs_backward", "logprobs_forward_backward", "target_set_logprobs",
+                           "target_set_logprobs_backward"})
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&built_without_cuda>());
+}
+#endif

@@ -47,6 +47,7 @@ __all__ = [
     "shard_vocab_start",
     "blas_info",
     "set_keep_workspace",
+    "built_with_cuda",
     "next_token_targets",
     "sequence_logprobs",
     "sft_loss",
@@ -278,6 +279,13 @@ def shard_vocab_start(group, vocab_local):
 def blas_info():
     """One line on the BLAS lce runs on: library, version, kernels, threads, CPU (lce::blas_info)."""
     return torch.ops.lce.blas_info()
+
+
+def built_with_cuda():
+    """Whether this lce_torch has CUDA kernels (lce's CUDA backend): built where a CUDA build
+    of torch met the CUDA toolkit (see setup.py). Without them, CUDA tensors raise
+    NotImplementedError saying so."""
+    return bool(torch.ops.lce.built_with_cuda())
 
 
 def set_keep_workspace(keep):

@@ -1,0 +1,71 @@
+#pragma once
+// The CUDA operators for the kernels of kernel_bodies.hpp: lce::cuda_backend
+// on PyTorch's current stream of the tensors' device, one per thread for
+// (T, options, device, stream). Compiled by nvcc only (cuda_ops.cu), where
+// lce_torch is built with the CUDA toolkit.
+//
+// One rank: a tensor-parallel LM head on CUDA needs lce's communicator over
+// ProcessGroupNCCL's communicator on the same stream (lce::comm::nccl takes an
+// ncclComm_t and a stream), which this package does not build yet, so
+// group_name is refused here with that reason.
+//
+// The scratch comes from cudaMallocAsync on the stream (not PyTorch's caching
+// allocator: torch.cuda.max_memory_allocated does not count it) and, as on the
+// CPU, is given back after each call unless set_keep_workspace(True).
+
+#include "tensor_views.hpp"
+
+#include <lce/cuda.cuh>
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <memory>
+#include <vector>
+
+namespace lce_torch {
+
+struct cuda_device {
+  template <class T>
+  using op_t = lce::ChunkedHiddenToLogprobs<lce::comm::single, T, lce::budget_chunk, lce::cuda_backend>;
+
+  // The caller holds guard(hidden), so the current device is the tensors'.
+  template <class T>
+  static op_t<T>& op(const config& c) {
+    TORCH_CHECK_NOT_IMPLEMENTED(!c.group_name,
+                                "lce_torch: group_name on CUDA tensors: tensor parallelism on CUDA needs a "
+                                "communicator over ProcessGroupNCCL, which lce_torch does not build yet; "
+                                "on CUDA, call it with group=None (one rank)");
+    const lce::options o = c.to_options();
+    const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream();
+    const cudaStream_t stream = current.stream();
+    const int device = current.device_index();
+    auto& entries = table<T>();
+    for (auto& e : entries)
+      if (e.device == device && e.stream == stream && same_options(e.opt, o)) return *e.op;
+    if (entries.size() >= 8) entries.erase(entries.begin());
+    entries.push_back({o, device, stream, std::make_unique<op_t<T>>(lce::comm::single{}, o, lce::cuda_backend{stream})});
+    return *entries.back().op;
+  }
+
+  static c10::cuda::CUDAGuard guard(const at::Tensor& t) { return c10::cuda::CUDAGuard(t.device()); }
+
+ private:
+  template <class T>
+  struct entry {
+    lce::options opt;
+    int device;
+    cudaStream_t stream;
+    std::unique_ptr<op_t<T>> op;
+  };
+  // Never destroyed: at exit the CUDA runtime may be gone before this
+  // thread's objects are, and an operator's destructor calls into it
+  // (cuBLAS handle, stream-ordered frees). PyTorch keeps its own handles so.
+  template <class T>
+  static std::vector<entry<T>>& table() {
+    thread_local auto* entries = new std::vector<entry<T>>();
+    return *entries;
+  }
+};
+
+}  // namespace lce_torch

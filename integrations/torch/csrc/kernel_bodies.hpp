@@ -1,0 +1,210 @@
+#pragma once
+// The kernels of kernels.hpp, for any Device: a policy with
+//   Device::op<T>(config)  -> the operator of this thread for (T, options, group, device),
+//   Device::guard(tensor)  -> an object that makes the tensor's device current while it lives.
+// Included only by the translation units that instantiate them (ops_full.cpp,
+// ops_half.cpp with cpu_device.hpp; cuda_ops.cu with cuda_device.cuh).
+
+#include "kernels.hpp"
+#include "tensor_views.hpp"
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <tuple>
+#include <type_traits>
+
+namespace lce_torch {
+
+template <class TorchT, class Device>
+std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>()> kernels<TorchT, Device>::forward(
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, bool with_entropy,
+    bool with_mean_logit, const config& c) {
+  const auto on_device = Device::guard(hidden);
+  auto* op = &Device::template op<T>(c);
+  const rows_view x = as_rows(hidden, "hidden"), w = as_rows(weight, "weight");
+  const at::Tensor y = as_vector(targets);
+  const auto out = at::TensorOptions().dtype(c10::CppTypeToScalarType<R>::value).device(hidden.device());
+  at::Tensor logp = at::empty(targets.sizes(), out), lse = at::empty(targets.sizes(), out);
+  at::Tensor ent = with_entropy ? at::empty(targets.sizes(), out) : at::empty({0}, out);
+  at::Tensor mean = with_mean_logit ? at::empty(targets.sizes(), out) : at::empty({0}, out);
+  return [=]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> {
+    const auto on_device = Device::guard(x.tensor);
+    workspace_release<std::remove_pointer_t<decltype(op)>> release{*op};
+    with_targets(y, [&](auto ids) {
+      op->forward(matrix_of<const T>(x), matrix_of<const T>(w), ids,
+                  lce::row_outputs<R>{vector_of<R>(logp), vector_of<R>(lse),
+                                      with_entropy ? vector_of<R>(ent) : lce::vector_view<R>{},
+                                      with_mean_logit ? vector_of<R>(mean) : lce::vector_view<R>{}});
+    });
+    return {logp, lse, ent, mean};
+  };
+}
+
+template <class TorchT, class Device>
+std::function<std::tuple<at::Tensor, at::Tensor>()> kernels<TorchT, Device>::backward(
+    const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy, const at::Tensor& hidden,
+    const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& lse,
+    const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit, const config& c) {
+  const auto on_device = Device::guard(hidden);
+  auto* op = &Device::template op<T>(c);
+  const at::Device device = hidden.device();
+  const rows_view x = as_rows(hidden, "hidden"), w = as_rows(weight, "weight");
+  at::Tensor y = as_vector(targets);
+  const auto rt = c10::CppTypeToScalarType<R>::value;
+  const std::int64_t n = y.numel();
+  const at::Tensor ls = per_token(lse, rt, n, "lse", device);
+  at::Tensor gl = per_token(grad_logprobs, rt, n, "grad_logprobs", device);
+  at::Tensor ge = given(grad_entropy) ? per_token(*grad_entropy, rt, n, "grad_entropy", device) : at::Tensor();
+  const at::Tensor gq = given(grad_lse) ? per_token(*grad_lse, rt, n, "grad_lse", device) : at::Tensor();
+  at::Tensor gm = given(grad_mean_logit) ? per_token(*grad_mean_logit, rt, n, "grad_mean_logit", device) : at::Tensor();
+  if (gq.defined() && n > 0) {
+    // lce gives ignored tokens no gradient at all, but their lse is real: hand
+    // lce those rows with a valid target (the same id on every rank, so the
+    // targets still agree) and no log-prob, entropy or mean-logit gradient, so
+    // that only dL/dlse reaches them.
+    const at::Tensor ignored = y == c.ignore_index;
+    const std::int64_t stand_in = c.ignore_index == 0 ? 1 : 0;
+    const bool representable = c.group_name || stand_in < w.rows;
+    if (representable && ignored.any().item<bool>()) {
+      y = y.masked_fill(ignored, stand_in);
+      gl = gl.masked_fill(ignored, 0);
+      if (ge.defined()) ge = ge.masked_fill(ignored, 0);
+      if (gm.defined()) gm = gm.masked_fill(ignored, 0);
+    }
+  }
+  at::Tensor dx = at::empty(hidden.sizes(), hidden.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor dw = zeroed_weight_gradient(w.rows, w.cols, weight.options());
+  const rows_view gx = as_rows(dx, "grad_hidden"), gw = as_rows(dw, "grad_weight");
+  return [=]() -> std::tuple<at::Tensor, at::Tensor> {
+    const auto on_device = Device::guard(x.tensor);
+    workspace_release<std::remove_pointer_t<decltype(op)>> release{*op};
+    with_targets(y, [&](auto ids) {
+      op->backward(matrix_of<const T>(x), matrix_of<const T>(w), ids, vector_of<const R>(ls),
+                   lce::row_gradients<R>{vector_of<const R>(gl), optional_vector<const R>(ge),
+                                         optional_vector<const R>(gq), optional_vector<const R>(gm)},
+                   matrix_of<T>(gx), matrix_of<T>(gw));
+    });
+    return {dx, dw};
+  };
+}
+
+template <class TorchT, class Device>
+std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>()>
+kernels<TorchT, Device>::forward_backward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+                                  const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_lse,
+                                  const std::optional<at::Tensor>& grad_mean_logit, bool with_mean_logit,
+                                  const config& c) {
+  const auto on_device = Device::guard(hidden);
+  auto* op = &Device::template op<T>(c);
+  const at::Device device = hidden.device();
+  const rows_view x = as_rows(hidden, "hidden"), w = as_rows(weight, "weight");
+  const at::Tensor y = as_vector(targets);
+  const auto rt = c10::CppTypeToScalarType<R>::value;
+  const std::int64_t n = y.numel();
+  const at::Tensor gl = per_token(grad_logprobs, rt, n, "grad_logprobs", device);
+  const at::Tensor gq = given(grad_lse) ? per_token(*grad_lse, rt, n, "grad_lse", device) : at::Tensor();
+  const at::Tensor gm =
+      given(grad_mean_logit) ? per_token(*grad_mean_logit, rt, n, "grad_mean_logit", device) : at::Tensor();
+  const auto out = at::TensorOptions().dtype(rt).device(device);
+  at::Tensor logp = at::empty(targets.sizes(), out), lse = at::empty(targets.sizes(), out);
+  at::Tensor mean = with_mean_logit ? at::empty(targets.sizes(), out) : at::empty({0}, out);
+  at::Tensor dx = at::empty(hidden.sizes(), hidden.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor dw = zeroed_weight_gradient(w.rows, w.cols, weight.options());
+  const rows_view gx = as_rows(dx, "grad_hidden"), gw = as_rows(dw, "grad_weight");
+  return [=]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> {
+    const auto on_device = Device::guard(x.tensor);
+    workspace_release<std::remove_pointer_t<decltype(op)>> release{*op};
+    with_targets(y, [&](auto ids) {
+      op->forward_backward(
+          matrix_of<const T>(x), matrix_of<const T>(w), ids,
+          lce::row_gradients<R>{vector_of<const R>(gl), {}, optional_vector<const R>(gq), optional_vector<const R>(gm)},
+          lce::row_outputs<R>{vector_of<R>(logp), vector_of<R>(lse), {},
+                              with_mean_logit ? vector_of<R>(mean) : lce::vector_view<R>{}},
+          matrix_of<T>(gx), matrix_of<T>(gw));
+    });
+    return {logp, dx, dw, lse, mean};
+  };
+}
+
+
+template <class TorchT, class Device>
+std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>()> kernels<TorchT, Device>::set_forward(
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& ids, bool with_entropy,
+    bool with_mean_logit, const config& c) {
+  const auto on_device = Device::guard(hidden);
+  auto* op = &Device::template op<T>(c);
+  const rows_view x = as_rows(hidden, "hidden"), w = as_rows(weight, "weight");
+  const sets_view y = as_sets(ids);
+  const auto rows_shape = ids.sizes().slice(0, ids.dim() - 1);
+  const auto out = at::TensorOptions().dtype(c10::CppTypeToScalarType<R>::value).device(hidden.device());
+  at::Tensor logp = at::empty(ids.sizes(), out), lse = at::empty(rows_shape, out);
+  at::Tensor ent = with_entropy ? at::empty(rows_shape, out) : at::empty({0}, out);
+  at::Tensor mean = with_mean_logit ? at::empty(rows_shape, out) : at::empty({0}, out);
+  return [=]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> {
+    const auto on_device = Device::guard(x.tensor);
+    workspace_release<std::remove_pointer_t<decltype(op)>> release{*op};
+    with_sets(y.tensor, [&](auto sets) {
+      op->forward(matrix_of<const T>(x), matrix_of<const T>(w), sets,
+                  lce::target_set_outputs<R>{dense_of<R>(logp.view({y.rows, y.k})), vector_of<R>(lse),
+                                             with_entropy ? vector_of<R>(ent) : lce::vector_view<R>{},
+                                             with_mean_logit ? vector_of<R>(mean) : lce::vector_view<R>{}});
+    });
+    return {logp, lse, ent, mean};
+  };
+}
+
+template <class TorchT, class Device>
+std::function<std::tuple<at::Tensor, at::Tensor>()> kernels<TorchT, Device>::set_backward(
+    const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy, const at::Tensor& hidden,
+    const at::Tensor& weight, const at::Tensor& ids, const at::Tensor& lse,
+    const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit, const config& c) {
+  const auto on_device = Device::guard(hidden);
+  auto* op = &Device::template op<T>(c);
+  const at::Device device = hidden.device();
+  const rows_view x = as_rows(hidden, "hidden"), w = as_rows(weight, "weight");
+  sets_view y = as_sets(ids);
+  const auto rt = c10::CppTypeToScalarType<R>::value;
+  const std::int64_t n = y.rows;
+  const at::Tensor ls = per_token(lse, rt, n, "lse", device);
+  at::Tensor gl = per_id(grad_logprobs, rt, y, "grad_logprobs", device);
+  at::Tensor ge = given(grad_entropy) ? per_token(*grad_entropy, rt, n, "grad_entropy", device) : at::Tensor();
+  const at::Tensor gq = given(grad_lse) ? per_token(*grad_lse, rt, n, "grad_lse", device) : at::Tensor();
+  at::Tensor gm = given(grad_mean_logit) ? per_token(*grad_mean_logit, rt, n, "grad_mean_logit", device) : at::Tensor();
+  if (gq.defined() && n > 0 && y.k > 0) {
+    // As in backward above: a token whose K ids are all ignored takes no
+    // gradient in lce, but its lse is real. Its first id becomes a valid
+    // stand-in (the same on every rank) with no log-prob, entropy or
+    // mean-logit gradient, so that only dL/dlse reaches it.
+    const at::Tensor ignored = (y.tensor == c.ignore_index).all(1);
+    const std::int64_t stand_in = c.ignore_index == 0 ? 1 : 0;
+    const bool representable = c.group_name || stand_in < w.rows;
+    if (representable && ignored.any().item<bool>()) {
+      at::Tensor first = y.tensor.select(1, 0).masked_fill(ignored, stand_in);
+      y.tensor = y.tensor.clone();
+      y.tensor.select(1, 0).copy_(first);
+      gl = gl.masked_fill(ignored.unsqueeze(1), 0);
+      if (ge.defined()) ge = ge.masked_fill(ignored, 0);
+      if (gm.defined()) gm = gm.masked_fill(ignored, 0);
+    }
+  }
+  at::Tensor dx = at::empty(hidden.sizes(), hidden.options().memory_format(at::MemoryFormat::Contiguous));
+  at::Tensor dw = zeroed_weight_gradient(w.rows, w.cols, weight.options());
+  const rows_view gx = as_rows(dx, "grad_hidden"), gw = as_rows(dw, "grad_weight");
+  return [=]() -> std::tuple<at::Tensor, at::Tensor> {
+    const auto on_device = Device::guard(x.tensor);
+    workspace_release<std::remove_pointer_t<decltype(op)>> release{*op};
+    with_sets(y.tensor, [&](auto sets) {
+      op->backward(matrix_of<const T>(x), matrix_of<const T>(w), sets, vector_of<const R>(ls),
+                   lce::target_set_gradients<R>{dense_of<const R>(gl), optional_vector<const R>(ge),
+                                                optional_vector<const R>(gq), optional_vector<const R>(gm)},
+                   matrix_of<T>(gx), matrix_of<T>(gw));
+    });
+    return {dx, dw};
+  };
+}
+
+
+}  // namespace lce_torch
