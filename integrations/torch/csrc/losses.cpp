@@ -466,6 +466,30 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> distill_l
   return run(normaliser_of(normaliser, group_name, prepare, run));
 }
 
+// CUDA tensors: the losses' inputs are per-token vectors (O(N), far smaller
+// than the LM head's), so they go to the host, the CPU kernel runs, and every
+// tensor it returns goes back to the inputs' device (one synchronisation).
+void losses_via_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  const std::size_t arguments = op.schema().arguments().size();
+  std::optional<c10::Device> device;
+  for (std::size_t i = stack->size() - arguments; i < stack->size(); ++i) {
+    c10::IValue& value = (*stack)[i];
+    if (!value.isTensor() || !value.toTensor().defined()) continue;
+    const at::Tensor t = value.toTensor();
+    if (t.device().is_cpu()) continue;
+    TORCH_CHECK(!device || *device == t.device(), "lce_torch: ", op.schema().name(),
+                ": the tensors must be on one device, got ", *device, " and ", t.device());
+    device = t.device();
+    value = t.cpu();
+  }
+  op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
+  const std::size_t returns = op.schema().returns().size();
+  for (std::size_t i = stack->size() - returns; device && i < stack->size(); ++i) {
+    c10::IValue& value = (*stack)[i];
+    if (value.isTensor()) value = value.toTensor().to(*device);
+  }
+}
+
 }  // namespace
 }  // namespace lce_torch
 
@@ -504,4 +528,10 @@ TORCH_LIBRARY_IMPL(lce, CPU, m) {
   m.impl("dpo_loss", &lce_torch::dpo_loss);
   m.impl("policy_gradient_loss", &lce_torch::policy_gradient_loss);
   m.impl("distill_loss", &lce_torch::distill_loss);
+}
+
+TORCH_LIBRARY_IMPL(lce, CUDA, m) {
+  for (const char* name : {"next_token_targets", "sequence_logprobs", "sft_loss", "dpo_loss", "policy_gradient_loss",
+                           "distill_loss"})
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&lce_torch::losses_via_host>());
 }

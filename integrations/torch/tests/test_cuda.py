@@ -1,7 +1,7 @@
 """lce_torch's CUDA kernels (lce's CUDA backend on the current stream), where a GPU and
 a CUDA build of lce_torch are: the float64 materialised reference (computed on the CPU),
-the op checks, a non-default stream, and the arguments CUDA refuses. Elsewhere every
-test here is skipped, saying why."""
+the CPU op, the op checks, the losses on CUDA log-probs, a non-default stream, and the
+arguments CUDA refuses. Elsewhere every test here is skipped, saying why."""
 import pytest
 import torch
 
@@ -73,6 +73,22 @@ def test_opcheck(dtype):
     torch.library.opcheck(torch.ops.lce.logprobs.default, (h, w, y), dict(with_entropy=True, **OPTS))
     g = torch.randn(10, device="cuda")
     torch.library.opcheck(torch.ops.lce.logprobs_forward_backward.default, (h.detach(), w.detach(), y, g), OPTS)
+
+
+def test_losses_of_cuda_logprobs_run_through_the_host():
+    """The losses take CUDA log-probs (their per-token inputs go to the host and back):
+    the loss and the hidden gradient through lce's CUDA backward equal the CPU run's."""
+    h, w, y = make(40, 16, 301, torch.float32, ignore=(3,))
+    results = []
+    for device in ("cpu", "cuda"):
+        hd = h.to(device).requires_grad_(True)
+        logp = lce_torch.linear_logprobs(hd, w.to(device), y.to(device))
+        out = lce_torch.sft_loss(logp, y.to(device), torch.tensor([0, 15, 40], device=device))
+        assert out.loss.device == hd.device
+        out.loss.backward()
+        results.append((out.loss.double().cpu(), hd.grad.double().cpu()))
+    torch.testing.assert_close(results[1][0], results[0][0], **TOL[torch.float32])
+    torch.testing.assert_close(results[1][1], results[0][1], **GRAD_TOL[torch.float32])
 
 
 def test_a_side_stream_orders_the_work_on_it():
