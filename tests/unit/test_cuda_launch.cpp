@@ -9,7 +9,9 @@
 #include <lce/cuda/detail/launch_shape.hpp>
 
 #include <climits>
+#include <cstdlib>
 #include <new>
+#include <vector>
 
 using namespace lce_test;
 
@@ -139,6 +141,11 @@ namespace {
 
 using fake_device_backend = lce_test::device_shaped_backend<>;
 static_assert(lce::backend<fake_device_backend>);
+// cuda_backend's optional concepts, as its own static_asserts (lce/cuda/backend.cuh) state them.
+static_assert(lce::adds_grad_hidden<fake_device_backend, lce::bfloat16, lce::bfloat16, float>);
+static_assert(lce::adds_weight_gradient_tiles<fake_device_backend, lce::bfloat16, float, lce::bfloat16>);
+static_assert(lce::rounds_accumulated_weight_gradient<fake_device_backend, lce::float16, float, lce::float16>);
+static_assert(!lce::adds_weight_gradient_tiles<fake_device_backend, double, double, float>);
 static_assert(std::is_same_v<lce::gemm_operand_t<fake_device_backend, lce::bfloat16>, lce::bfloat16>);
 static_assert(!lce::reuses_exp_block<fake_device_backend>());
 
@@ -198,8 +205,10 @@ TEST_CASE_TEMPLATE("device-style workspace plan: dz operand block of T, no hidde
     CHECK(plan.bytes - plan.gradient_operand == align64(static_cast<std::size_t>(chunk) * ld * sizeof(T)));
     CHECK(plan.bytes == expected_plan_bytes(chunk, h, v, sizeof(T)));
 
-    // workspace_bytes: that plan plus the fp32 [V, H] accumulator of a T grad_weight
-    const std::size_t accumulator = static_cast<std::size_t>(v * h) * sizeof(float);
+    // workspace_bytes: that plan plus, for a call of several chunks, the fp32
+    // [V, H] accumulator of a T grad_weight; a call of one chunk (on one
+    // rank) has cuBLAS round dW straight into grad_weight: no dW scratch.
+    const std::size_t accumulator = n > chunk ? static_cast<std::size_t>(v * h) * sizeof(float) : 0;
     CHECK(op.workspace_bytes(n, h, v) == expected_plan_bytes(chunk, h, v, sizeof(T)) + accumulator);
   }
 }
@@ -233,4 +242,65 @@ TEST_CASE("device-style workspace plan: the chunk policy counts the dz operand b
     no_operand.gradient_operand_bytes = 0;
     CHECK(lce::detail::workspace_plan<float>::make(no_operand, chunk + chunk / 8 + 1).bytes <= limit);
   }
+}
+
+namespace {
+
+// The device-style backend with memory that allocates (host memory, 64-byte
+// aligned), so that a call runs through the engine's plan and reserves its
+// scratch; every pass stays empty.
+template <std::size_t VocabularyBlockBytes>
+struct allocating_device_backend : lce_test::device_shaped_backend<lce::device_memory, VocabularyBlockBytes> {
+  void* allocate(std::size_t bytes) {
+    void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64);
+    if (!p) throw std::bad_alloc();
+    return p;
+  }
+  void deallocate(void* p, std::size_t) noexcept { std::free(p); }
+};
+
+// What a bf16 backward with a bf16 grad_weight holds on a backend of that block bound.
+template <std::size_t VocabularyBlockBytes>
+std::size_t held_by_backward(std::int64_t n, std::int64_t h, std::int64_t v, const lce::options& opt) {
+  using backend_t = allocating_device_backend<VocabularyBlockBytes>;
+  using B = lce::bfloat16;
+  lce::ChunkedHiddenToLogprobs<lce::comm::single, B, lce::budget_chunk, backend_t> op(lce::comm::single{}, opt,
+                                                                                      backend_t{});
+  std::vector<B> x(static_cast<std::size_t>(n * h)), w(static_cast<std::size_t>(v * h)), gx(x.size()), gw(w.size());
+  std::vector<std::int64_t> y(static_cast<std::size_t>(n), 1);
+  std::vector<float> lse(static_cast<std::size_t>(n)), g(static_cast<std::size_t>(n));
+  op.backward(lce::matrix_view<const B>{x.data(), n, h}, lce::matrix_view<const B>{w.data(), v, h},
+              lce::vector_view<const std::int64_t>{y.data(), n}, lce::vector_view<const float>{lse.data(), n},
+              lce::vector_view<const float>{g.data(), n}, lce::matrix_view<B>{gx.data(), n, h},
+              lce::matrix_view<B>{gw.data(), v, h});
+  return op.held_workspace_bytes();
+}
+
+}  // namespace
+
+TEST_CASE("device-style workspace plan: the vocabulary order's block is bounded by the budget, not 16 MiB") {
+  // bf16, one rank, a backward whose tokens would take several budget
+  // chunks: all N tokens over vocabulary tiles hold less than that plus the
+  // fp32 [V, H] accumulator. The host's block bound (16 MiB of logits) takes
+  // 4,096-column tiles; cuda_backend's (the budget alone) the widest tile
+  // within the budget: fewer, larger GEMMs.
+  const std::int64_t n = 1024, h = 64, v = 128000;
+  auto opt = make_options(1.0f, 0.0f, 0);
+  opt.workspace_limit_bytes = std::size_t{64} << 20;
+  const std::size_t accumulator = static_cast<std::size_t>(v * h) * sizeof(float);
+  const std::size_t dx_sum = static_cast<std::size_t>(n * h) * sizeof(float);
+  const std::size_t tile_block = static_cast<std::size_t>(n) * 4096 * (sizeof(float) + sizeof(lce::bfloat16));
+  const std::size_t bounded = held_by_backward<std::size_t{16} << 20>(n, h, v, opt);
+  const std::size_t budget_only = held_by_backward<SIZE_MAX>(n, h, v, opt);
+  CAPTURE(bounded);
+  CAPTURE(budget_only);
+  // Both took the vocabulary order: less than the accumulator alone.
+  CHECK(bounded < accumulator);
+  CHECK(budget_only < opt.workspace_limit_bytes + dx_sum);
+  // 16 MiB: about one 4,096-column tile of every token (logits and dz) and the dX sum.
+  CHECK(bounded >= tile_block + dx_sum);
+  CHECK(bounded < tile_block + dx_sum + (std::size_t{1} << 20));
+  // The budget: wider tiles, most of it.
+  CHECK(budget_only > 2 * tile_block);
+  CHECK(budget_only > opt.workspace_limit_bytes / 2);
 }
