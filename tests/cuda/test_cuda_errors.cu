@@ -2,7 +2,8 @@
 // error's name and file:line; and lce::cuda_backend on a machine without a
 // usable device raises lce::error at construction, before any launch. These
 // run everywhere (no device needed: every call below fails by design, or
-// succeeds only where a device is), so CI checks them on its GPU-less runners.
+// succeeds only where a device is), so CI checks them on its GPU-less runners;
+// and cuda_backend_options that contradict themselves raise before any CUDA call.
 #define DOCTEST_CONFIG_IMPLEMENT_WITH_MAIN
 #include <doctest/doctest.h>
 
@@ -79,4 +80,22 @@ TEST_CASE("cuda_backend: without a usable device, construction raises lce::error
     CHECK((has(message, "cublasCreate") || has(message, "cudaMalloc")));
     CHECK(has(message, "backend.cuh:"));
   }
+}
+
+TEST_CASE("cuda_backend_options: allocate without deallocate, or beside a workspace, raises before any CUDA call") {
+  void* (*allocate)(std::size_t, cudaStream_t, void*) = [](std::size_t, cudaStream_t, void*) -> void* {
+    return nullptr;
+  };
+  void (*deallocate)(void*, std::size_t, cudaStream_t, void*) = [](void*, std::size_t, cudaStream_t, void*) {};
+  std::string message = error_of([&] { lce::cuda_backend backend{nullptr, {.allocate = allocate}}; });
+  INFO(message);
+  CHECK(has(message, "allocate and deallocate go together (allocate set, deallocate null)"));
+  message = error_of([&] { lce::cuda_backend backend{nullptr, {.deallocate = deallocate}}; });
+  CHECK(has(message, "allocate and deallocate go together (allocate null, deallocate set)"));
+  char buffer[64];
+  message = error_of([&] {
+    lce::cuda_backend backend{nullptr, {.workspace = buffer, .workspace_bytes = sizeof buffer, .allocate = allocate,
+                                        .deallocate = deallocate}};
+  });
+  CHECK(has(message, "workspace and allocate are two sources of the scratch"));
 }

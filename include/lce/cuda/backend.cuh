@@ -6,6 +6,9 @@
 //   lce::cuda_backend{stream, {.allow_tf32 = true}}  fp32 GEMMs on TF32 tensor cores
 //   lce::cuda_backend{stream, {.workspace = p, .workspace_bytes = n}}
 //                                                   scratch carved from the caller's device buffer
+//   lce::cuda_backend{stream, {.allocate = a, .deallocate = d, .allocator_context = c}}
+//                                                   scratch from the caller's allocator (a
+//                                                   framework's caching allocator)
 //
 // Every view the operator gets holds device pointers. GEMMs run through
 // cublasGemmEx: fp32, bf16 and fp16 inputs multiply as stored and accumulate
@@ -57,6 +60,14 @@ struct cuda_backend_options {
   // stream-ordered allocations (size it with the operator's workspace_bytes).
   void* workspace = nullptr;
   std::size_t workspace_bytes = 0;
+  // Or the caller's allocator, so that a framework's caching allocator (its
+  // pool and its statistics) serves the scratch: allocate returns device
+  // memory (64-byte aligned) usable in stream order on `stream`, or nullptr
+  // when there is none; deallocate gives it back in stream order. Both, or
+  // neither; not with `workspace`. `allocator_context` is passed to both.
+  void* (*allocate)(std::size_t bytes, cudaStream_t stream, void* context) = nullptr;
+  void (*deallocate)(void* pointer, std::size_t bytes, cudaStream_t stream, void* context) = nullptr;
+  void* allocator_context = nullptr;
 };
 
 class cuda_backend {
@@ -84,6 +95,16 @@ class cuda_backend {
   void* allocate(std::size_t bytes) {
     auto& s = *state_;
     if (s.options.workspace) return s.carve(bytes);
+    if (s.options.allocate) {
+      void* pointer = s.options.allocate(bytes, s.stream, s.options.allocator_context);
+      if (!pointer) throw std::bad_alloc();
+      if (reinterpret_cast<std::uintptr_t>(pointer) % detail::workspace_alignment != 0) {
+        s.options.deallocate(pointer, bytes, s.stream, s.options.allocator_context);
+        detail::fail("cuda_backend_options::allocate returned ", pointer, ", not aligned to ",
+                     detail::workspace_alignment, " bytes");
+      }
+      return pointer;
+    }
     void* pointer = nullptr;
     const cudaError_t status = cudaMallocAsync(&pointer, bytes, s.stream);
     if (status == cudaErrorMemoryAllocation) {
@@ -94,9 +115,10 @@ class cuda_backend {
     return pointer;
   }
 
-  void deallocate(void* pointer, std::size_t) noexcept {
+  void deallocate(void* pointer, std::size_t bytes) noexcept {
     auto& s = *state_;
     if (s.options.workspace) return s.give_back(pointer);
+    if (s.options.deallocate) return s.options.deallocate(pointer, bytes, s.stream, s.options.allocator_context);
     (void)cudaFreeAsync(pointer, s.stream);
   }
 
@@ -352,6 +374,12 @@ class cuda_backend {
     std::vector<std::pair<std::size_t, std::size_t>> carved;  // [offset, end) of options.workspace in use, by offset
 
     state(cudaStream_t s, cuda_backend_options opt) : stream(s), options(opt) {
+      // Before any CUDA call: a bad option set raises on any machine.
+      detail::expects(!options.allocate == !options.deallocate,
+                      "cuda_backend_options: allocate and deallocate go together (allocate ",
+                      options.allocate ? "set" : "null", ", deallocate ", options.deallocate ? "set" : "null", ")");
+      detail::expects(!(options.allocate && options.workspace),
+                      "cuda_backend_options: workspace and allocate are two sources of the scratch; give one");
       try {
         LCE_CUBLAS_TRY(cublasCreate(&handle));
         LCE_CUBLAS_TRY(cublasSetStream(handle, stream));

@@ -9,14 +9,16 @@
 // ncclComm_t and a stream), which this package does not build yet, so
 // group_name is refused here with that reason.
 //
-// The scratch comes from cudaMallocAsync on the stream (not PyTorch's caching
-// allocator: torch.cuda.max_memory_allocated does not count it) and, as on the
-// CPU, is given back after each call unless set_keep_workspace(True).
+// The scratch comes from PyTorch's CUDA caching allocator on the op's stream
+// (lce::cuda_backend_options::allocate), so it shares PyTorch's pool and
+// torch.cuda.max_memory_allocated counts it; as on the CPU, it is given back
+// after each call unless set_keep_workspace(True).
 
 #include "tensor_views.hpp"
 
 #include <lce/cuda.cuh>
 
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
@@ -44,13 +46,30 @@ struct cuda_device {
     for (auto& e : entries)
       if (e.device == device && e.stream == stream && same_options(e.opt, o)) return *e.op;
     if (entries.size() >= 8) entries.erase(entries.begin());
-    entries.push_back({o, device, stream, std::make_unique<op_t<T>>(lce::comm::single{}, o, lce::cuda_backend{stream})});
+    lce::cuda_backend_options scratch;
+    scratch.allocate = &allocate;
+    scratch.deallocate = &deallocate;
+    entries.push_back(
+        {o, device, stream, std::make_unique<op_t<T>>(lce::comm::single{}, o, lce::cuda_backend{stream, scratch})});
     return *entries.back().op;
   }
 
   static c10::cuda::CUDAGuard guard(const at::Tensor& t) { return c10::cuda::CUDAGuard(t.device()); }
 
  private:
+  // PyTorch's caching allocator; out of memory is lce's to report (nullptr:
+  // lce::error naming the scratch and the bytes).
+  static void* allocate(std::size_t bytes, cudaStream_t stream, void*) {
+    try {
+      return c10::cuda::CUDACachingAllocator::raw_alloc_with_stream(bytes, stream);
+    } catch (const c10::OutOfMemoryError&) {
+      return nullptr;
+    }
+  }
+  static void deallocate(void* pointer, std::size_t, cudaStream_t, void*) {
+    c10::cuda::CUDACachingAllocator::raw_delete(pointer);
+  }
+
   template <class T>
   struct entry {
     lce::options opt;

@@ -91,6 +91,21 @@ def test_losses_of_cuda_logprobs_run_through_the_host():
     torch.testing.assert_close(results[1][1], results[0][1], **GRAD_TOL[torch.float32])
 
 
+def test_the_scratch_comes_from_pytorchs_caching_allocator():
+    """torch.cuda's statistics see lce's scratch (cuda_backend_options::allocate), and it is
+    given back after the call (set_keep_workspace(False), the default)."""
+    n, v, chunk = 512, 32000, 256
+    h, w, y = on_cuda(*make(n, 64, v, torch.float32))
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    logp = lce_torch.linear_logprobs(h, w, y, chunk_tokens=chunk)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before >= chunk * v * 4  # one chunk's fp32 logit block
+    assert torch.cuda.memory_allocated() - before < 1 << 20  # the outputs only
+    del logp
+
+
 def test_a_side_stream_orders_the_work_on_it():
     h, w, y = on_cuda(*make(300, 64, 4099, torch.bfloat16))
     want = lce_torch.linear_logprobs(h, w, y)
