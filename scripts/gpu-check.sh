@@ -7,7 +7,8 @@
 #      materialised cuBLAS logits and the bare GEMMs, and the longest sequence
 #      in a device-memory budget at H = 3,584, V = 152,064.
 # With LCE_GPU_CHECK_TORCH=1 also lce_torch's CUDA kernels: builds the package with them
-# (scripts/test-torch.sh: a venv with torch==2.13.0) and runs integrations/torch/tests/test_cuda.py.
+# (scripts/test-torch.sh: a venv with torch==2.13.0, from PyPI unless LCE_TORCH_VENV names one
+# that has it, as a machine without network needs) and runs integrations/torch/tests/test_cuda.py.
 # Output: the terminal, and build/gpu/gpu-check.json. Exit 77 when no GPU is found.
 #   scripts/gpu-check.sh [extra flags for lce_bench_cuda]
 set -euo pipefail
