@@ -19,8 +19,15 @@ and the peak extra memory: the growth of the peak RSS
 gradients dX and dW every path returns. Large allocations go straight to mmap
 (MALLOC_MMAP_THRESHOLD_, set by re-executing), so freed memory leaves the RSS.
 
+--device cuda runs the same on the GPU (lce_torch built with CUDA): the time is the
+wall time with the stream synchronised, and the peak extra memory is
+torch.cuda.max_memory_allocated over the allocation before the call (lce's scratch
+comes from the same caching allocator, so it is counted), less the gradients;
+--threads does not apply.
+
   python bench/torch_op_bench.py [--hidden 1024] [--vocab 32000,128256] [--tokens 1024,8192]
                                  [--threads 1,2] [--dtypes float32,bfloat16] [--reps 1] [--json out.json]
+                                 [--device cpu|cuda]
 """
 import argparse
 import gc
@@ -90,15 +97,23 @@ def variant(name):
 def run_once(fn, x, w, y):
     x.grad = w.grad = None
     gc.collect()
-    reset_peak()
-    before = rss_kb("VmRSS")
+    cuda = x.is_cuda
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+    else:
+        reset_peak()
+        before = rss_kb("VmRSS") * 1024
     t0, c0 = time.perf_counter(), time.process_time()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loss = fn(x, w, y)
         loss.backward()
+    if cuda:
+        torch.cuda.synchronize()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    peak = (rss_kb("VmHWM") - before) * 1024
+    peak = (torch.cuda.max_memory_allocated() if cuda else rss_kb("VmHWM") * 1024) - before
     grads = x.grad.numel() * x.grad.element_size() + w.grad.numel() * w.grad.element_size()
     notes = sorted({str(c.message).split("\n")[0][:120] for c in caught})
     return float(loss.detach()), wall, cpu, peak - grads, notes
@@ -115,7 +130,13 @@ def main():
                    help=f"any of {','.join(VARIANTS)}, lce_chunk<R> (R-token chunks), lce_<M>mib (M MiB workspace)")
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--json", default="")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = p.parse_args()
+    if args.device == "cuda":
+        if not (torch.cuda.is_available() and lce_torch.built_with_cuda()):
+            raise SystemExit("--device cuda: needs a CUDA device and lce_torch built with CUDA "
+                             f"(cuda available: {torch.cuda.is_available()}, built: {lce_torch.built_with_cuda()})")
+        args.threads = "1"
 
     info = {
         "torch": torch.__version__,
@@ -126,8 +147,9 @@ def main():
         "load_average": os.getloadavg(),
         "tokens": [int(n) for n in args.tokens.split(",")],
         "hidden": args.hidden,
+        "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
     }
-    print(f"torch {info['torch']}; {info['blas']}")
+    print(f"torch {info['torch']}; {info['blas']}; device {info['device']}")
     print(f"N = {args.tokens} tokens, H = {args.hidden}; best of {args.reps} interleaved after a warm-up; "
           f"load average at start {info['load_average'][0]:.1f}")
     results = []
@@ -138,9 +160,10 @@ def main():
         dtype = getattr(torch, dtype_name)
         for v, tokens in [(int(v), int(n)) for v in args.vocab.split(",") for n in args.tokens.split(",")]:
             g = torch.Generator().manual_seed(0)
-            x = (torch.randn(tokens, args.hidden, generator=g)).to(dtype).requires_grad_(True)
-            w = (torch.randn(v, args.hidden, generator=g) * args.hidden**-0.5).to(dtype).requires_grad_(True)
-            y = torch.randint(0, v, (tokens,), generator=g)
+            x = (torch.randn(tokens, args.hidden, generator=g)).to(args.device, dtype).requires_grad_(True)
+            w = (torch.randn(v, args.hidden, generator=g) * args.hidden**-0.5).to(args.device, dtype)
+            w.requires_grad_(True)
+            y = torch.randint(0, v, (tokens,), generator=g).to(args.device)
             small = (x[:256].detach().clone().requires_grad_(True), w, y[:256])
             for threads in [int(s) for s in args.threads.split(",")]:
                 torch.set_num_threads(threads)
