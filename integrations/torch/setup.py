@@ -16,7 +16,8 @@ CUDA tensors: where this torch is a CUDA build and the CUDA toolkit (nvcc,
 found as torch finds it: CUDA_HOME) is here, the ops also get CUDA kernels on
 lce's CUDA backend (csrc/cuda_ops.cu, compiled by nvcc for TORCH_CUDA_ARCH_LIST,
 or for this machine's GPUs, or for 9.0 when it has none). LCE_TORCH_CUDA=0
-builds without them, LCE_TORCH_CUDA=1 insists.
+builds without them, LCE_TORCH_CUDA=1 insists; without a CUDA torch, nvcc, or with an
+nvcc of another major version than torch's CUDA, it builds without them and says why.
 """
 import os
 import shlex
@@ -81,11 +82,22 @@ def with_cuda():
     if setting == "0":
         return False
     nvcc = os.path.join(CUDA_HOME, "bin", "nvcc") if CUDA_HOME else None
-    available = torch.version.cuda is not None and nvcc is not None and os.path.exists(nvcc)
-    if setting == "1" and not available:
-        raise RuntimeError(f"LCE_TORCH_CUDA=1: needs a CUDA build of torch (torch.version.cuda = {torch.version.cuda}) "
-                           f"and nvcc under CUDA_HOME (= {CUDA_HOME})")
-    return available
+    why = None
+    if torch.version.cuda is None:
+        why = "this torch is not a CUDA build"
+    elif nvcc is None or not os.path.exists(nvcc):
+        why = f"no nvcc under CUDA_HOME (= {CUDA_HOME})"
+    else:
+        # torch refuses to build with a toolkit of another major version than its own.
+        out = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+        release = out.split("release ")[-1].split(",")[0] if "release " in out else "?"
+        if release.split(".")[0] != torch.version.cuda.split(".")[0]:
+            why = f"nvcc {release} is not CUDA {torch.version.cuda.split('.')[0]}, torch's ({torch.version.cuda})"
+    if why and setting == "1":
+        raise RuntimeError(f"LCE_TORCH_CUDA=1: cannot build the CUDA kernels: {why}")
+    if why:
+        print(f"lce_torch: building without CUDA kernels: {why}")
+    return why is None
 
 
 sources = [os.path.join("csrc", f) for f in ("module.cpp", "register.cpp", "ops_full.cpp", "ops_half.cpp", "losses.cpp")]
