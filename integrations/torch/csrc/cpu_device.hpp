@@ -15,7 +15,6 @@
 
 #include <memory>
 #include <utility>
-#include <vector>
 
 namespace lce_torch {
 
@@ -27,37 +26,20 @@ struct cpu_device {
   template <class T>
   static op_t<T>& op(const config& c) {
     process_group_comm comm = c.group_name ? process_group_comm(*c.group_name) : process_group_comm();
-    const lce::options o = c.to_options();
     const int threads = at::get_num_threads();
     const void* group = comm.size() > 1 ? comm.identity() : nullptr;
-    auto& entries = table<T>();
-    for (auto& e : entries)
-      if (e.threads == threads && e.group == group && same_options(e.opt, o)) return *e.op;
-    if (entries.size() >= 8) entries.erase(entries.begin());
+    thread_local operator_table<op_t<T>, std::pair<const void*, int>> table;
+    const lce::options o = c.to_options();
     // The scratch is given back after each call (keep_workspace), so each call maps it
     // afresh: on the allocator's own pages, not transparent huge ones (lce::scratch_pages).
-    entries.push_back({o, group, threads,
-                       std::make_unique<op_t<T>>(std::move(comm), o, backend_t{threads, lce::scratch_pages::base})});
-    return *entries.back().op;
+    return table.get(o, {group, threads}, [&] {
+      return std::make_unique<op_t<T>>(std::move(comm), o, backend_t{threads, lce::scratch_pages::base});
+    });
   }
 
   // Host memory needs no device made current.
   struct no_guard {};
   static no_guard guard(const at::Tensor&) { return {}; }
-
- private:
-  template <class T>
-  struct entry {
-    lce::options opt;
-    const void* group;
-    int threads;
-    std::unique_ptr<op_t<T>> op;
-  };
-  template <class T>
-  static std::vector<entry<T>>& table() {
-    thread_local std::vector<entry<T>> entries;
-    return entries;
-  }
 };
 
 }  // namespace lce_torch

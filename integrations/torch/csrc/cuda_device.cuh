@@ -23,7 +23,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <memory>
-#include <vector>
+#include <utility>
 
 namespace lce_torch {
 
@@ -41,17 +41,16 @@ struct cuda_device {
     const lce::options o = c.to_options();
     const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream();
     const cudaStream_t stream = current.stream();
-    const int device = current.device_index();
-    auto& entries = table<T>();
-    for (auto& e : entries)
-      if (e.device == device && e.stream == stream && same_options(e.opt, o)) return *e.op;
-    if (entries.size() >= 8) entries.erase(entries.begin());
-    lce::cuda_backend_options scratch;
-    scratch.allocate = &allocate;
-    scratch.deallocate = &deallocate;
-    entries.push_back(
-        {o, device, stream, std::make_unique<op_t<T>>(lce::comm::single{}, o, lce::cuda_backend{stream, scratch})});
-    return *entries.back().op;
+    // Never destroyed: at exit the CUDA runtime may be gone before this
+    // thread's objects are, and an operator's destructor calls into it
+    // (cuBLAS handle, stream-ordered frees). PyTorch keeps its own handles so.
+    thread_local auto* table = new operator_table<op_t<T>, std::pair<int, cudaStream_t>>();
+    return table->get(o, {current.device_index(), stream}, [&] {
+      lce::cuda_backend_options scratch;
+      scratch.allocate = &allocate;
+      scratch.deallocate = &deallocate;
+      return std::make_unique<op_t<T>>(lce::comm::single{}, o, lce::cuda_backend{stream, scratch});
+    });
   }
 
   static c10::cuda::CUDAGuard guard(const at::Tensor& t) { return c10::cuda::CUDAGuard(t.device()); }
@@ -68,22 +67,6 @@ struct cuda_device {
   }
   static void deallocate(void* pointer, std::size_t, cudaStream_t, void*) {
     c10::cuda::CUDACachingAllocator::raw_delete(pointer);
-  }
-
-  template <class T>
-  struct entry {
-    lce::options opt;
-    int device;
-    cudaStream_t stream;
-    std::unique_ptr<op_t<T>> op;
-  };
-  // Never destroyed: at exit the CUDA runtime may be gone before this
-  // thread's objects are, and an operator's destructor calls into it
-  // (cuBLAS handle, stream-ordered frees). PyTorch keeps its own handles so.
-  template <class T>
-  static std::vector<entry<T>>& table() {
-    thread_local auto* entries = new std::vector<entry<T>>();
-    return *entries;
   }
 };
 

@@ -12,10 +12,12 @@
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace lce_torch {
 
@@ -51,6 +53,30 @@ inline bool same_options(const lce::options& a, const lce::options& b) {
          a.softcap == b.softcap && a.sequence_parallel == b.sequence_parallel && a.chunk_tokens == b.chunk_tokens &&
          a.workspace_limit_bytes == b.workspace_limit_bytes;
 }
+
+// This thread's operators of one type, by options and a device's key (a
+// group and thread count, a device and stream): at most 8, the oldest going
+// first.
+template <class Op, class Key>
+class operator_table {
+ public:
+  template <class Make>
+  Op& get(const lce::options& o, const Key& key, Make&& make) {
+    for (auto& e : entries_)
+      if (e.key == key && same_options(e.options, o)) return *e.op;
+    if (entries_.size() >= 8) entries_.erase(entries_.begin());
+    entries_.push_back({o, key, make()});
+    return *entries_.back().op;
+  }
+
+ private:
+  struct entry {
+    lce::options options;
+    Key key;
+    std::unique_ptr<Op> op;
+  };
+  std::vector<entry> entries_;
+};
 
 // Whether operators keep their scratch between calls (lce's default) or give
 // it back after each call (this package's default: PyTorch users expect memory
