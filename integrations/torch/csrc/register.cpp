@@ -172,7 +172,7 @@ std::tuple<at::Tensor, at::Tensor> logprobs_backward_on(
     check_inputs<Device>(hidden, weight, targets);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
       return kernels<TorchT, Device>::backward(grad_logprobs, grad_entropy, hidden, weight, targets, lse, grad_lse,
-                                       grad_mean_logit, c);
+                                               grad_mean_logit, c);
     });
   });
 }
@@ -189,7 +189,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprobs_
     check_inputs<Device>(hidden, weight, targets);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
       return kernels<TorchT, Device>::forward_backward(hidden, weight, targets, grad_logprobs, grad_lse,
-                                               grad_mean_logit, with_mean_logit, c);
+                                                       grad_mean_logit, with_mean_logit, c);
     });
   });
 }
@@ -223,7 +223,7 @@ std::tuple<at::Tensor, at::Tensor> target_set_logprobs_backward_on(
     check_inputs<Device>(hidden, weight, ids, "ids");
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
       return kernels<TorchT, Device>::set_backward(grad_logprobs, grad_entropy, hidden, weight, ids, lse, grad_lse,
-                                           grad_mean_logit, c);
+                                                   grad_mean_logit, c);
     });
   });
 }
