@@ -75,28 +75,37 @@ void check_took_vocabulary_order(const Op& op, tiling l = tiling::all_rows, std:
   }
 }
 
+// The inputs of an exercise (forward, backward with entropy, forward_backward)
+// at these shapes under one scaling: dL/dlogp, dL/dentropy, grad_weight's prefill.
+struct exercise_inputs {
+  problem p;
+  std::vector<double> g, hg, pre;
+};
+
+template <class T>
+exercise_inputs exercise_inputs_for(const scaling& s) {
+  exercise_inputs in{make_problem(tokens, hidden, vocab, 61, rounder_for<T>(), 1.0, 0.3, 0.1), {}, {}, {}};
+  in.p.tau = s.tau;
+  in.p.cap = s.cap;
+  in.g = random_vector(in.p.n, 62, -1.0, 1.0, rounder_for<out_t<T>>());
+  in.hg = random_vector(in.p.n, 63, -0.5, 0.5, rounder_for<out_t<T>>());
+  in.pre = random_vector(in.p.v * in.p.h, 64, -1.0, 1.0, rounder_for<narrow_t<T>>());
+  return in;
+}
 
 // forward, backward with entropy and forward_backward, for every tiling and
 // scaling, against the reference; returns nothing, checks everything.
 template <class Env, class T>
 void matches_reference(int threads = 0) {
-  using G = narrow_t<T>;
-  using O = out_t<T>;
   for (const tiling l : tilings)
   for (const auto& s : scalings) {
     CAPTURE(int(l));
     CAPTURE(s.tau);
     CAPTURE(s.cap);
-    problem p = make_problem(tokens, hidden, vocab, 61, rounder_for<T>(), 1.0, 0.3, 0.1);
-    p.tau = s.tau;
-    p.cap = s.cap;
-    const auto g = random_vector(p.n, 62, -1.0, 1.0, rounder_for<O>());
-    const auto hg = random_vector(p.n, 63, -0.5, 0.5, rounder_for<O>());
-    const auto pre = random_vector(p.v * p.h, 64, -1.0, 1.0, rounder_for<G>());
-
+    const exercise_inputs in = exercise_inputs_for<T>(s);
     auto op = Env::template make_op<T>(budget_options<T>(s.tau, s.cap, l), threads);
-    check_against_reference(exercise<T, G>(op, p, g, hg, pre), p, g, hg, pre, Env::template gradient_operand_unit<T>,
-                            Env::template gradient_operand_floor<T>);
+    check_against_reference(exercise<T, narrow_t<T>>(op, in.p, in.g, in.hg, in.pre), in.p, in.g, in.hg, in.pre,
+                            Env::template gradient_operand_unit<T>, Env::template gradient_operand_floor<T>);
     check_took_vocabulary_order<decltype(op), T>(op, l);
   }
 }

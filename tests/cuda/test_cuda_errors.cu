@@ -12,6 +12,8 @@
 #include <lce/comm/nccl.cuh>
 #endif
 
+#include "support/error_of.hpp"
+
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
@@ -19,16 +21,7 @@
 
 namespace {
 
-// The message of the lce::error `call` raises ("" when it raises none).
-template <class F>
-std::string error_of(F&& call) {
-  try {
-    call();
-  } catch (const lce::error& e) {
-    return e.what();
-  }
-  return {};
-}
+using lce_test::error_of;
 
 bool has(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 

@@ -38,6 +38,8 @@
 //   check_ranks_disagree              (agreement) ranks with different N or H
 #pragma once
 
+#include "support/error_of.hpp"
+
 #include <lce/comm/threads.hpp>
 #include <lce/lce.hpp>
 
@@ -725,19 +727,7 @@ void check_all_configurations(const Comm& comm) {
 // is written, and the ranks stay in step for the next call.
 // ===========================================================================
 
-// Runs body(); returns the lce::error message, or "" when nothing was thrown.
-// Any other exception is a failure of its own.
-template <class Body>
-std::string error_of(Body&& body) {
-  try {
-    body();
-  } catch (const lce::error& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    return std::string("NOT AN lce::error: ") + e.what();
-  }
-  return {};
-}
+using lce_test::error_of;
 
 inline bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 

@@ -14,23 +14,17 @@ TEST_CASE_TEMPLATE("vocabulary order: forward, backward with entropy and forward
 
 TEST_CASE_TEMPLATE("vocabulary order: the same bits on any thread count", T, lce::bfloat16, lce::float16, double) {
   using G = narrow_t<T>;
-  using O = out_t<T>;
   for (const tiling l : tilings)
   for (const auto& s : scalings) {
     CAPTURE(int(l));
     CAPTURE(s.tau);
     CAPTURE(s.cap);
-    problem p = make_problem(tokens, hidden, vocab, 61, rounder_for<T>(), 1.0, 0.3, 0.1);
-    p.tau = s.tau;
-    p.cap = s.cap;
-    const auto g = random_vector(p.n, 62, -1.0, 1.0, rounder_for<O>());
-    const auto hg = random_vector(p.n, 63, -0.5, 0.5, rounder_for<O>());
-    const auto pre = random_vector(p.v * p.h, 64, -1.0, 1.0, rounder_for<G>());
+    const exercise_inputs in = exercise_inputs_for<T>(s);
     auto three = make_op<T>(budget_options<T>(s.tau, s.cap, l), 3);
     auto one = make_op<T>(budget_options<T>(s.tau, s.cap, l), 1);
-    const auto tiled = exercise<T, G>(three, p, g, hg, pre);
+    const auto tiled = exercise<T, G>(three, in.p, in.g, in.hg, in.pre);
     check_took_vocabulary_order<decltype(three), T>(three, l);
-    const auto diff = exercise<T, G>(one, p, g, hg, pre).bitwise_diff(tiled);
+    const auto diff = exercise<T, G>(one, in.p, in.g, in.hg, in.pre).bitwise_diff(tiled);
     CHECK_MESSAGE(diff.empty(), "host{1} vs host{3}: " << diff);
   }
 }

@@ -18,6 +18,29 @@
 
 namespace lce_torch {
 
+// dL/d(entropy, lse, mean logit) per token, in the result dtype on hidden's
+// device; each undefined when not given.
+struct row_term_gradients {
+  at::Tensor entropy, lse, mean_logit;
+
+  row_term_gradients(const std::optional<at::Tensor>& grad_entropy, const std::optional<at::Tensor>& grad_lse,
+                     const std::optional<at::Tensor>& grad_mean_logit, at::ScalarType result, std::int64_t n,
+                     const at::Device& device) {
+    const auto of = [&](const std::optional<at::Tensor>& g, const char* name) {
+      return given(g) ? per_token(*g, result, n, name, device) : at::Tensor();
+    };
+    entropy = of(grad_entropy, "grad_entropy");
+    lse = of(grad_lse, "grad_lse");
+    mean_logit = of(grad_mean_logit, "grad_mean_logit");
+  }
+
+  // Rows that take dL/dlse alone (ignored tokens handed a stand-in target).
+  void lse_only(const at::Tensor& rows) {
+    if (entropy.defined()) entropy = entropy.masked_fill(rows, 0);
+    if (mean_logit.defined()) mean_logit = mean_logit.masked_fill(rows, 0);
+  }
+};
+
 template <class TorchT, class Device>
 std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>()> kernels<TorchT, Device>::forward(
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, bool with_entropy,
@@ -57,10 +80,8 @@ std::function<std::tuple<at::Tensor, at::Tensor>()> kernels<TorchT, Device>::bac
   const std::int64_t n = y.numel();
   const at::Tensor ls = per_token(lse, rt, n, "lse", device);
   at::Tensor gl = per_token(grad_logprobs, rt, n, "grad_logprobs", device);
-  at::Tensor ge = given(grad_entropy) ? per_token(*grad_entropy, rt, n, "grad_entropy", device) : at::Tensor();
-  const at::Tensor gq = given(grad_lse) ? per_token(*grad_lse, rt, n, "grad_lse", device) : at::Tensor();
-  at::Tensor gm = given(grad_mean_logit) ? per_token(*grad_mean_logit, rt, n, "grad_mean_logit", device) : at::Tensor();
-  if (gq.defined() && n > 0) {
+  row_term_gradients terms(grad_entropy, grad_lse, grad_mean_logit, rt, n, device);
+  if (terms.lse.defined() && n > 0) {
     // lce gives ignored tokens no gradient at all, but their lse is real: hand
     // lce those rows with a valid target (the same id on every rank, so the
     // targets still agree) and no log-prob, entropy or mean-logit gradient, so
@@ -71,8 +92,7 @@ std::function<std::tuple<at::Tensor, at::Tensor>()> kernels<TorchT, Device>::bac
     if (representable && ignored.any().item<bool>()) {
       y = y.masked_fill(ignored, stand_in);
       gl = gl.masked_fill(ignored, 0);
-      if (ge.defined()) ge = ge.masked_fill(ignored, 0);
-      if (gm.defined()) gm = gm.masked_fill(ignored, 0);
+      terms.lse_only(ignored);
     }
   }
   at::Tensor dx = at::empty(hidden.sizes(), hidden.options().memory_format(at::MemoryFormat::Contiguous));
@@ -83,8 +103,9 @@ std::function<std::tuple<at::Tensor, at::Tensor>()> kernels<TorchT, Device>::bac
     workspace_release<std::remove_pointer_t<decltype(op)>> release{*op};
     with_targets(y, [&](auto ids) {
       op->backward(matrix_of<const T>(x), matrix_of<const T>(w), ids, vector_of<const R>(ls),
-                   lce::row_gradients<R>{vector_of<const R>(gl), optional_vector<const R>(ge),
-                                         optional_vector<const R>(gq), optional_vector<const R>(gm)},
+                   lce::row_gradients<R>{vector_of<const R>(gl), optional_vector<const R>(terms.entropy),
+                                         optional_vector<const R>(terms.lse),
+                                         optional_vector<const R>(terms.mean_logit)},
                    matrix_of<T>(gx), matrix_of<T>(gw));
     });
     return {dx, dw};
@@ -105,9 +126,7 @@ kernels<TorchT, Device>::forward_backward(const at::Tensor& hidden, const at::Te
   const auto rt = c10::CppTypeToScalarType<R>::value;
   const std::int64_t n = y.numel();
   const at::Tensor gl = per_token(grad_logprobs, rt, n, "grad_logprobs", device);
-  const at::Tensor gq = given(grad_lse) ? per_token(*grad_lse, rt, n, "grad_lse", device) : at::Tensor();
-  const at::Tensor gm =
-      given(grad_mean_logit) ? per_token(*grad_mean_logit, rt, n, "grad_mean_logit", device) : at::Tensor();
+  const row_term_gradients terms(std::nullopt, grad_lse, grad_mean_logit, rt, n, device);
   const auto out = at::TensorOptions().dtype(rt).device(device);
   at::Tensor logp = at::empty(targets.sizes(), out), lse = at::empty(targets.sizes(), out);
   at::Tensor mean = with_mean_logit ? at::empty(targets.sizes(), out) : at::empty({0}, out);
@@ -120,7 +139,8 @@ kernels<TorchT, Device>::forward_backward(const at::Tensor& hidden, const at::Te
     with_targets(y, [&](auto ids) {
       op->forward_backward(
           matrix_of<const T>(x), matrix_of<const T>(w), ids,
-          lce::row_gradients<R>{vector_of<const R>(gl), {}, optional_vector<const R>(gq), optional_vector<const R>(gm)},
+          lce::row_gradients<R>{vector_of<const R>(gl), {}, optional_vector<const R>(terms.lse),
+                                optional_vector<const R>(terms.mean_logit)},
           lce::row_outputs<R>{vector_of<R>(logp), vector_of<R>(lse), {},
                               with_mean_logit ? vector_of<R>(mean) : lce::vector_view<R>{}},
           matrix_of<T>(gx), matrix_of<T>(gw));
@@ -170,10 +190,8 @@ std::function<std::tuple<at::Tensor, at::Tensor>()> kernels<TorchT, Device>::set
   const std::int64_t n = y.rows;
   const at::Tensor ls = per_token(lse, rt, n, "lse", device);
   at::Tensor gl = per_id(grad_logprobs, rt, y, "grad_logprobs", device);
-  at::Tensor ge = given(grad_entropy) ? per_token(*grad_entropy, rt, n, "grad_entropy", device) : at::Tensor();
-  const at::Tensor gq = given(grad_lse) ? per_token(*grad_lse, rt, n, "grad_lse", device) : at::Tensor();
-  at::Tensor gm = given(grad_mean_logit) ? per_token(*grad_mean_logit, rt, n, "grad_mean_logit", device) : at::Tensor();
-  if (gq.defined() && n > 0 && y.k > 0) {
+  row_term_gradients terms(grad_entropy, grad_lse, grad_mean_logit, rt, n, device);
+  if (terms.lse.defined() && n > 0 && y.k > 0) {
     // As in backward above: a token whose K ids are all ignored takes no
     // gradient in lce, but its lse is real. Its first id becomes a valid
     // stand-in (the same on every rank) with no log-prob, entropy or
@@ -186,8 +204,7 @@ std::function<std::tuple<at::Tensor, at::Tensor>()> kernels<TorchT, Device>::set
       y.tensor = y.tensor.clone();
       y.tensor.select(1, 0).copy_(first);
       gl = gl.masked_fill(ignored.unsqueeze(1), 0);
-      if (ge.defined()) ge = ge.masked_fill(ignored, 0);
-      if (gm.defined()) gm = gm.masked_fill(ignored, 0);
+      terms.lse_only(ignored);
     }
   }
   at::Tensor dx = at::empty(hidden.sizes(), hidden.options().memory_format(at::MemoryFormat::Contiguous));
@@ -198,8 +215,9 @@ std::function<std::tuple<at::Tensor, at::Tensor>()> kernels<TorchT, Device>::set
     workspace_release<std::remove_pointer_t<decltype(op)>> release{*op};
     with_sets(y.tensor, [&](auto sets) {
       op->backward(matrix_of<const T>(x), matrix_of<const T>(w), sets, vector_of<const R>(ls),
-                   lce::target_set_gradients<R>{dense_of<const R>(gl), optional_vector<const R>(ge),
-                                                optional_vector<const R>(gq), optional_vector<const R>(gm)},
+                   lce::target_set_gradients<R>{dense_of<const R>(gl), optional_vector<const R>(terms.entropy),
+                                                optional_vector<const R>(terms.lse),
+                                                optional_vector<const R>(terms.mean_logit)},
                    matrix_of<T>(gx), matrix_of<T>(gw));
     });
     return {dx, dw};

@@ -240,6 +240,17 @@ std::string blas_info_line() {
 }
 
 }  // namespace
+
+// Registers the five ops' kernels of one device.
+template <class Device>
+void impl_ops(torch::Library& m) {
+  m.impl("logprobs", &logprobs_on<Device>);
+  m.impl("logprobs_backward", &logprobs_backward_on<Device>);
+  m.impl("logprobs_forward_backward", &logprobs_forward_backward_on<Device>);
+  m.impl("target_set_logprobs", &target_set_logprobs_on<Device>);
+  m.impl("target_set_logprobs_backward", &target_set_logprobs_backward_on<Device>);
+}
+
 }  // namespace lce_torch
 
 TORCH_LIBRARY(lce, m) {
@@ -263,27 +274,13 @@ TORCH_LIBRARY(lce, m) {
   m.def("built_with_cuda() -> bool", [] { return static_cast<bool>(LCE_TORCH_WITH_CUDA); });
 }
 
-TORCH_LIBRARY_IMPL(lce, CPU, m) {
-  using lce_torch::cpu_device;
-  m.impl("logprobs", &lce_torch::logprobs_on<cpu_device>);
-  m.impl("logprobs_backward", &lce_torch::logprobs_backward_on<cpu_device>);
-  m.impl("logprobs_forward_backward", &lce_torch::logprobs_forward_backward_on<cpu_device>);
-  m.impl("target_set_logprobs", &lce_torch::target_set_logprobs_on<cpu_device>);
-  m.impl("target_set_logprobs_backward", &lce_torch::target_set_logprobs_backward_on<cpu_device>);
-}
+TORCH_LIBRARY_IMPL(lce, CPU, m) { lce_torch::impl_ops<lce_torch::cpu_device>(m); }
 
 // CUDA tensors: lce::cuda_backend on the current stream (cuda_device.cuh),
 // where lce_torch was built with the CUDA toolkit; elsewhere this package's
 // reason rather than the dispatcher's "could not run".
 #if LCE_TORCH_WITH_CUDA
-TORCH_LIBRARY_IMPL(lce, CUDA, m) {
-  using lce_torch::cuda_device;
-  m.impl("logprobs", &lce_torch::logprobs_on<cuda_device>);
-  m.impl("logprobs_backward", &lce_torch::logprobs_backward_on<cuda_device>);
-  m.impl("logprobs_forward_backward", &lce_torch::logprobs_forward_backward_on<cuda_device>);
-  m.impl("target_set_logprobs", &lce_torch::target_set_logprobs_on<cuda_device>);
-  m.impl("target_set_logprobs_backward", &lce_torch::target_set_logprobs_backward_on<cuda_device>);
-}
+TORCH_LIBRARY_IMPL(lce, CUDA, m) { lce_torch::impl_ops<lce_torch::cuda_device>(m); }
 #else
 namespace {
 void built_without_cuda(const c10::OperatorHandle& op, torch::jit::Stack*) {
