@@ -8,7 +8,8 @@
 #      in a device-memory budget at H = 3,584, V = 152,064.
 # With LCE_GPU_CHECK_TORCH=1 also lce_torch's CUDA kernels: builds the package with them
 # (scripts/test-torch.sh: a venv with torch==2.13.0, from PyPI unless LCE_TORCH_VENV names one
-# that has it, as a machine without network needs), runs integrations/torch/tests/test_cuda.py,
+# that has it, as a machine without network needs), runs integrations/torch/tests/test_cuda.py
+# and test_cuda_distributed.py (tensor parallel on CUDA tensors: gloo on one GPU, NCCL on two),
 # and bench/torch_op_bench.py --device cuda at N = 8,192, H = 4,096, V = 128,256, bf16.
 # Output: the terminal, and build/gpu/gpu-check.json. Exit 77 when no GPU is found.
 #   scripts/gpu-check.sh [extra flags for lce_bench_cuda]
@@ -49,8 +50,8 @@ else
 fi
 
 if [ "${LCE_GPU_CHECK_TORCH:-0}" = 1 ]; then
-  echo "== lce_torch on CUDA (tests/test_cuda.py) =="
-  LCE_TORCH_CUDA=1 LCE_TORCH_TESTS=test_cuda.py MAX_JOBS=$(nproc) "$root/scripts/test-torch.sh"
+  echo "== lce_torch on CUDA (tests/test_cuda.py, tests/test_cuda_distributed.py) =="
+  LCE_TORCH_CUDA=1 LCE_TORCH_TESTS="test_cuda.py test_cuda_distributed.py" MAX_JOBS=$(nproc) "$root/scripts/test-torch.sh"
   echo "== lce_torch against PyTorch on the GPU (bench/torch_op_bench.py --device cuda) =="
   "${LCE_TORCH_VENV:-$root/build/torch-venv}/bin/python" "$root/bench/torch_op_bench.py" --device cuda \
     --hidden 4096 --vocab 128256 --tokens 8192 --dtypes bfloat16 --variants plain,torch_chunked,lce,lce_2sweep \

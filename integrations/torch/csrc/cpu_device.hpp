@@ -25,9 +25,9 @@ struct cpu_device {
 
   template <class T>
   static op_t<T>& op(const config& c) {
-    process_group_comm comm = c.group_name ? process_group_comm(*c.group_name) : process_group_comm();
+    process_group_comm comm = c.group_name ? process_group_comm(*c.group_name, at::kCPU) : process_group_comm();
     const int threads = at::get_num_threads();
-    const void* group = comm.size() > 1 ? comm.identity() : nullptr;
+    const void* group = comm.identity();
     thread_local operator_table<op_t<T>, std::pair<const void*, int>> table;
     const lce::options o = c.to_options();
     // The scratch is given back after each call (keep_workspace), so each call maps it

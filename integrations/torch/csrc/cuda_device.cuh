@@ -4,16 +4,17 @@
 // (T, options, device, stream). Compiled by nvcc only (cuda_ops.cu), where
 // lce_torch is built with the CUDA toolkit.
 //
-// One rank: a tensor-parallel LM head on CUDA needs lce's communicator over
-// ProcessGroupNCCL's communicator on the same stream (lce::comm::nccl takes an
-// ncclComm_t and a stream), which this package does not build yet, so
-// group_name is refused here with that reason.
+// Tensor parallel: the communicator runs lce's collectives on the op's
+// torch.distributed group (process_group_comm.hpp) with device tensors, in
+// stream order on the current stream: NCCL's communicator and stream stay
+// PyTorch's, so lce never needs its own NCCL (nor one matching torch's).
 //
 // The scratch comes from PyTorch's CUDA caching allocator on the op's stream
 // (lce::cuda_backend_options::allocate), so it shares PyTorch's pool and
 // torch.cuda.max_memory_allocated counts it; as on the CPU, it is given back
 // after each call unless set_keep_workspace(True).
 
+#include "process_group_comm.hpp"
 #include "tensor_views.hpp"
 
 #include <lce/cuda.cuh>
@@ -23,33 +24,34 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include <memory>
+#include <tuple>
 #include <utility>
 
 namespace lce_torch {
 
 struct cuda_device {
   template <class T>
-  using op_t = lce::ChunkedHiddenToLogprobs<lce::comm::single, T, lce::budget_chunk, lce::cuda_backend>;
+  using op_t = lce::ChunkedHiddenToLogprobs<cuda_process_group_comm, T, lce::budget_chunk, lce::cuda_backend>;
 
   // The caller holds guard(hidden), so the current device is the tensors'.
   template <class T>
   static op_t<T>& op(const config& c) {
-    TORCH_CHECK_NOT_IMPLEMENTED(!c.group_name,
-                                "lce_torch: group_name on CUDA tensors: tensor parallelism on CUDA needs a "
-                                "communicator over ProcessGroupNCCL, which lce_torch does not build yet; "
-                                "on CUDA, call it with group=None (one rank)");
     const lce::options o = c.to_options();
     const c10::cuda::CUDAStream current = c10::cuda::getCurrentCUDAStream();
     const cudaStream_t stream = current.stream();
+    const at::Device device(at::kCUDA, current.device_index());
+    cuda_process_group_comm comm =
+        c.group_name ? cuda_process_group_comm(*c.group_name, device) : cuda_process_group_comm(device);
     // Never destroyed: at exit the CUDA runtime may be gone before this
     // thread's objects are, and an operator's destructor calls into it
     // (cuBLAS handle, stream-ordered frees). PyTorch keeps its own handles so.
-    thread_local auto* table = new operator_table<op_t<T>, std::pair<int, cudaStream_t>>();
-    return table->get(o, {current.device_index(), stream}, [&] {
+    using key = std::tuple<const void*, int, cudaStream_t>;
+    thread_local auto* table = new operator_table<op_t<T>, key>();
+    return table->get(o, key{comm.identity(), current.device_index(), stream}, [&] {
       lce::cuda_backend_options scratch;
       scratch.allocate = &allocate;
       scratch.deallocate = &deallocate;
-      return std::make_unique<op_t<T>>(lce::comm::single{}, o, lce::cuda_backend{stream, scratch});
+      return std::make_unique<op_t<T>>(std::move(comm), o, lce::cuda_backend{stream, scratch});
     });
   }
 

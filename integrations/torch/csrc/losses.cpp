@@ -154,7 +154,7 @@ double normaliser_of(const std::optional<double>& normaliser, const std::optiona
   } catch (...) {
     failure = std::current_exception();
   }
-  const process_group_comm comm(*group_name);
+  const process_group comm(*group_name, at::kCPU);
   if (comm.size() > 1) {
     const std::int64_t mine[2] = {failure ? 0 : 1, units};
     std::vector<std::int64_t> all(2 * static_cast<std::size_t>(comm.size()));

@@ -109,13 +109,14 @@ decltype(auto) dispatch(at::ScalarType t, F&& f) {
 std::int64_t dtype_code(const at::Tensor& t) { return static_cast<std::int64_t>(t.scalar_type()); }
 
 // Every local check and allocation of a call runs in `prepare` (which returns
-// the prepared lce call). With a group, the ranks then exchange their verdicts
-// and dtypes before any of them enters lce's own exchange, so a rank whose
-// arguments fail here (a dtype, a shape torch rejects, bad options) makes every
-// rank raise instead of leaving the others waiting in a collective: it gets
-// its own error, the others "lce_torch: rank r rejected its arguments".
-// (CUDA tensors take no group yet: cuda_device refuses one in prepare.)
-template <class Device, class Prepare>
+// the prepared lce call). With a group, the ranks then exchange their verdicts,
+// dtypes and device types before any of them enters lce's own exchange, so a
+// rank whose arguments fail here (a dtype, a shape torch rejects, bad options,
+// a group without a backend for its tensors) makes every rank raise instead of
+// leaving the others waiting in a collective: it gets its own error, the
+// others "lce_torch: rank r rejected its arguments". A rank on the CPU beside
+// ranks on CUDA would run other kernels with other collectives: refused too.
+template <class Prepare>
 auto agreed(const config& c, const at::Tensor& hidden, Prepare&& prepare) {
   using plan_t = decltype(prepare());
   plan_t plan;
@@ -125,19 +126,26 @@ auto agreed(const config& c, const at::Tensor& hidden, Prepare&& prepare) {
   } catch (...) {
     failure = std::current_exception();
   }
-  if (std::is_same_v<Device, cpu_device> && c.group_name) {
-    const process_group_comm comm(*c.group_name);
+  if (c.group_name) {
+    const process_group comm(*c.group_name, hidden.device());
     if (comm.size() > 1) {
-      const std::int64_t mine[2] = {failure ? 0 : 1, dtype_code(hidden)};
-      std::vector<std::int64_t> all(2 * static_cast<std::size_t>(comm.size()));
-      comm.all_gather_host(mine, all.data(), 2);
+      constexpr std::size_t fields = 3;
+      const std::int64_t mine[fields] = {failure ? 0 : 1, dtype_code(hidden),
+                                         static_cast<std::int64_t>(hidden.device().type())};
+      std::vector<std::int64_t> all(fields * static_cast<std::size_t>(comm.size()));
+      comm.all_gather_host(mine, all.data(), fields);
       if (failure) std::rethrow_exception(failure);
+      const auto of = [&](int rank, std::size_t field) { return all[fields * static_cast<std::size_t>(rank) + field]; };
       for (int r = 0; r < comm.size(); ++r)
-        TORCH_CHECK(all[2 * r] == 1, "lce_torch: rank ", r, " rejected its arguments");
-      for (int r = 1; r < comm.size(); ++r)
-        TORCH_CHECK_TYPE(all[2 * r + 1] == all[1], "lce_torch: hidden and weight dtypes differ across ranks: rank 0 has ",
-                         static_cast<at::ScalarType>(all[1]), ", rank ", r, " has ",
-                         static_cast<at::ScalarType>(all[2 * r + 1]), ": every rank must pass the same dtype");
+        TORCH_CHECK(of(r, 0) == 1, "lce_torch: rank ", r, " rejected its arguments");
+      for (int r = 1; r < comm.size(); ++r) {
+        TORCH_CHECK_TYPE(of(r, 1) == of(0, 1), "lce_torch: hidden and weight dtypes differ across ranks: rank 0 has ",
+                         static_cast<at::ScalarType>(of(0, 1)), ", rank ", r, " has ",
+                         static_cast<at::ScalarType>(of(r, 1)), ": every rank must pass the same dtype");
+        TORCH_CHECK(of(r, 2) == of(0, 2), "lce_torch: the tensors' devices differ across ranks: rank 0 has ",
+                    static_cast<c10::DeviceType>(of(0, 2)), ", rank ", r, " has ",
+                    static_cast<c10::DeviceType>(of(r, 2)), ": every rank must pass tensors of one device type");
+      }
     }
   }
   if (failure) std::rethrow_exception(failure);
@@ -151,7 +159,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprobs_on(
     std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                                workspace_limit_bytes, group_name);
-  return agreed<Device>(c, hidden, [&] {
+  return agreed(c, hidden, [&] {
     check_inputs<Device>(hidden, weight, targets);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
       return kernels<TorchT, Device>::forward(hidden, weight, targets, with_entropy, with_mean_logit, c);
@@ -168,7 +176,7 @@ std::tuple<at::Tensor, at::Tensor> logprobs_backward_on(
     std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                                workspace_limit_bytes, group_name);
-  return agreed<Device>(c, hidden, [&] {
+  return agreed(c, hidden, [&] {
     check_inputs<Device>(hidden, weight, targets);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
       return kernels<TorchT, Device>::backward(grad_logprobs, grad_entropy, hidden, weight, targets, lse, grad_lse,
@@ -185,7 +193,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprobs_
     std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                                workspace_limit_bytes, group_name);
-  return agreed<Device>(c, hidden, [&] {
+  return agreed(c, hidden, [&] {
     check_inputs<Device>(hidden, weight, targets);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
       return kernels<TorchT, Device>::forward_backward(hidden, weight, targets, grad_logprobs, grad_lse,
@@ -202,7 +210,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> target_set_logprobs_o
     std::optional<std::string> group_name) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                                workspace_limit_bytes, group_name);
-  return agreed<Device>(c, hidden, [&] {
+  return agreed(c, hidden, [&] {
     check_inputs<Device>(hidden, weight, ids, "ids");
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
       return kernels<TorchT, Device>::set_forward(hidden, weight, ids, with_entropy, with_mean_logit, c);
@@ -219,7 +227,7 @@ std::tuple<at::Tensor, at::Tensor> target_set_logprobs_backward_on(
     std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                                workspace_limit_bytes, group_name);
-  return agreed<Device>(c, hidden, [&] {
+  return agreed(c, hidden, [&] {
     check_inputs<Device>(hidden, weight, ids, "ids");
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
       return kernels<TorchT, Device>::set_backward(grad_logprobs, grad_entropy, hidden, weight, ids, lse, grad_lse,

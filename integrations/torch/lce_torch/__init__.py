@@ -8,7 +8,8 @@
 Neither materialises the [tokens, vocab] logits: lce computes them a chunk of
 tokens at a time (at most ``workspace_limit_bytes`` of scratch, 256 MiB by
 default). Tensor parallel (vocabulary-sharded weight): pass ``group=`` (a
-torch.distributed ProcessGroup, gloo on the CPU) and this rank's ``vocab_start``.
+torch.distributed ProcessGroup: gloo on the CPU, NCCL or gloo on CUDA) and this rank's
+``vocab_start``.
 
 Training losses over packed sequences (lce's include/lce/loss, one call each, on the
 log-probs above; autograd continues into lce's backward):
@@ -21,8 +22,9 @@ log-probs above; autograd continues into lce's backward):
 
 The operators are ``torch.ops.lce.logprobs``, ``torch.ops.lce.logprobs_backward``,
 ``torch.ops.lce.logprobs_forward_backward``, ``torch.ops.lce.target_set_logprobs`` and
-``torch.ops.lce.target_set_logprobs_backward`` (CPU kernels; fake kernels and
-autograd registered, so torch.compile(fullgraph=True) traces them).
+``torch.ops.lce.target_set_logprobs_backward`` (CPU kernels, and CUDA kernels where
+``built_with_cuda()``; fake kernels and autograd registered, so
+torch.compile(fullgraph=True) traces them).
 """
 import torch
 

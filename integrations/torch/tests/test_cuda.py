@@ -124,5 +124,5 @@ def test_refused_on_cuda():
     h, w, y = on_cuda(*make(4, 8, 11))
     with pytest.raises(RuntimeError, match="must all be on one CUDA device"):
         lce_torch.linear_logprobs(h, w.cpu(), y)
-    with pytest.raises(NotImplementedError, match="group_name on CUDA"):
-        torch.ops.lce.logprobs(h, w, y, **dict(OPTS, group_name="some_group"))
+    with pytest.raises(RuntimeError, match="group 'no_such_group' is not a registered torch.distributed"):
+        torch.ops.lce.logprobs(h, w, y, **dict(OPTS, group_name="no_such_group"))

@@ -16,25 +16,25 @@ SPLITS = {2: [0, 60, 101], 3: [0, 40, 41, 101]}
 N, H, V = 24, 16, 101
 
 
-def _data(dtype):
+def _data(dtype, device="cpu"):
     from conftest import make
 
-    return make(N, H, V, dtype, seed=5, ignore=(2, 11), scale=2.0)
+    return [t.to(device) for t in make(N, H, V, dtype, seed=5, ignore=(2, 11), scale=2.0)]
 
 
 def _close(a, b, dtype, what, rank):
-    tol = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 1e-2}[dtype]
+    tol = {torch.float64: 1e-10, torch.float32: 2e-5, torch.bfloat16: 1e-2, torch.float16: 2e-3}[dtype]
     torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=lambda m: f"rank {rank}, {what}: {m}")
 
 
-def _check_tp(rank, world, group, dtype, sequence_parallel):
+def _check_tp(rank, world, group, dtype, sequence_parallel, device="cpu"):
     import lce_torch
 
-    h, w, y = _data(dtype)
+    h, w, y = _data(dtype, device)
     a, b = SPLITS[world][rank], SPLITS[world][rank + 1]
-    gl = torch.linspace(-1, 1, N, dtype=torch.float64)
-    ge = torch.linspace(0.3, -0.6, N, dtype=torch.float64)
-    gq = torch.linspace(-0.2, 0.4, N, dtype=torch.float64)  # dL/dlse (a z-loss), ignored tokens included
+    gl = torch.linspace(-1, 1, N, dtype=torch.float64, device=device)
+    ge = torch.linspace(0.3, -0.6, N, dtype=torch.float64, device=device)
+    gq = torch.linspace(-0.2, 0.4, N, dtype=torch.float64, device=device)  # dL/dlse (a z-loss), ignored included
 
     # One process, the whole weight.
     h1, w1 = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
@@ -71,10 +71,11 @@ def _check_tp(rank, world, group, dtype, sequence_parallel):
         assert lce_torch.shard_vocab_start(group, b - a) == a
 
 
-def _check_errors(rank, world, group):
+def _check_errors(rank, world, group, device="cpu"):
     import lce_torch
 
-    h, w, y = _data(torch.float32)
+    h, w, y = _data(torch.float32, device)
+    other = torch.float64 if device == "cpu" else torch.float16  # a dtype the device takes
     a, b = SPLITS[world][rank], SPLITS[world][rank + 1]
     ws = w[a:b].clone()
     before = [h.clone(), ws.clone(), y.clone()]
@@ -104,7 +105,7 @@ def _check_errors(rank, world, group):
         expect("lce_torch: rank 0 rejected its arguments")
     # Dtypes that differ across ranks.
     if rank == 1:
-        expect("dtypes differ across ranks", h=h.double(), w=ws.double())
+        expect("dtypes differ across ranks", h=h.to(other), w=ws.to(other))
     else:
         expect("dtypes differ across ranks")
     # Options that differ across ranks (lce's exchange).
