@@ -43,7 +43,7 @@ struct device_shaped_backend {
   template <class In, class A>
   void grad_weight(lce::matrix_view<const In>, lce::matrix_view<const In>, A, lce::matrix_view<A>) {}
   template <class A>
-  static constexpr std::int64_t weight_gradient_tile_elements(std::int64_t, std::int64_t) {
+  static constexpr std::int64_t weight_gradient_tile_elements(std::int64_t, std::int64_t, std::int64_t) {
     return 0;
   }
   static constexpr int weight_gradient_tile_slots() { return 1; }

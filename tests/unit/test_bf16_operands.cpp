@@ -183,7 +183,7 @@ TEST_CASE("bf16 operands: no weight tile is widened and dz overwrites its logit 
   // has no widened weight tiles, no widened hidden rows and no dz block of its own (dz is
   // rounded over the first half of each logit row), so only the per-row arrays are left.
   const std::size_t logits = static_cast<std::size_t>(n * v) * sizeof(float);
-  const std::size_t tiles = 2 * static_cast<std::size_t>(lce::host::weight_gradient_tile_elements<float>(h, v)) *
+  const std::size_t tiles = 2 * static_cast<std::size_t>(lce::host::weight_gradient_tile_elements<float>(h, v, n)) *
                             sizeof(float);
   CHECK(direct.workspace_bytes(n, h, v) < widening.workspace_bytes(n, h, v));
   CHECK(direct.workspace_bytes(n, h, v) >= logits + tiles);

@@ -53,15 +53,16 @@ constexpr bool reuses_exp_block() {
 // Optional: dw += alpha dz^T x into a grad_weight `dw` whose element type G is
 // not the compute type A (a 2-byte grad_weight; float for T = double), each
 // vocabulary tile of the product summed in A in `scratch` (slots of
-// weight_gradient_tile_elements<A>(hidden, vocab_local) elements, from the
-// shapes alone, weight_gradient_tile_slots() of them) and added into dw once. A call whose tokens fit in one chunk then
+// weight_gradient_tile_elements<A>(hidden, vocab_local, tokens) elements, from
+// the shapes alone: `tokens` is the most rows of dz one call passes,
+// weight_gradient_tile_slots() of them) and added into dw once. A call whose tokens fit in one chunk then
 // needs no [V_local, H] accumulator: nothing is carried between chunks, and
 // dw gets the sum it would get from the accumulator, without its fill, its
 // memory and its final pass.
 template <class B, class O, class A, class G>
 concept adds_weight_gradient_tiles =
     requires(B& b, matrix_view<const O> operand, matrix_view<G> dw, A alpha, A* scratch, std::int64_t count) {
-      { b.template weight_gradient_tile_elements<A>(count, count) } -> std::convertible_to<std::int64_t>;
+      { b.template weight_gradient_tile_elements<A>(count, count, count) } -> std::convertible_to<std::int64_t>;
       { b.weight_gradient_tile_slots() } -> std::convertible_to<int>;
       b.grad_weight(operand, operand, alpha, dw, scratch);
     };

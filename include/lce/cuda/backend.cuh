@@ -151,7 +151,7 @@ class cuda_backend {
   // (adds_weight_gradient_tiles): cuBLAS sums the product in fp32 onto dw and
   // rounds into it once, so these tiles need no scratch.
   template <class A>
-  static constexpr std::int64_t weight_gradient_tile_elements(std::int64_t, std::int64_t) {
+  static constexpr std::int64_t weight_gradient_tile_elements(std::int64_t, std::int64_t, std::int64_t) {
     return 0;
   }
   static constexpr int weight_gradient_tile_slots() { return 1; }

@@ -766,11 +766,12 @@ class engine {
     }
   }
 
-  // One dW tile of the backend's, in compute-type elements.
+  // One dW tile of the backend's, in compute-type elements, for GEMMs of at most `tokens` rows of dz.
   template <class GradWeight>
-  std::size_t weight_gradient_tile_elements(std::int64_t hidden, std::int64_t vocab_local) const {
+  std::size_t weight_gradient_tile_elements(std::int64_t hidden, std::int64_t vocab_local, std::int64_t tokens) const {
     if constexpr (backend_adds_weight_gradient_tiles<GradWeight>)
-      return static_cast<std::size_t>(backend_.template weight_gradient_tile_elements<Compute>(hidden, vocab_local));
+      return static_cast<std::size_t>(
+          backend_.template weight_gradient_tile_elements<Compute>(hidden, vocab_local, tokens));
     else
       return 0;
   }
@@ -832,7 +833,7 @@ class engine {
     const auto shape = shape_of(hidden, vocab_local, set_size);
     const checked_size one = workspace_plan<Compute>::fixed_bytes(shape) +
                              checked_size::of(n_tokens) * workspace_plan<Compute>::bytes_per_token(shape) +
-                             scratch({.plan = {}, .tiles_into_grad_weight = true});
+                             scratch({.plan = {.block_rows = n_tokens}, .tiles_into_grad_weight = true});
     const checked_size several = checked_size(result.plan.bytes) +
                                  checked_size::of(vocab_local) * checked_size::of(hidden) * sizeof(Compute);
     checked_size held = several;
@@ -944,7 +945,8 @@ class engine {
     // shard); with token slices, the tile's accumulator.
     if (gradient.vocab_tile > 0) vocab_local = gradient.vocab_tile;
     if (gradient.tiles_into_grad_weight)
-      return checked_size::of(static_cast<std::int64_t>(weight_gradient_tile_elements<G>(hidden, vocab_local))) *
+      return checked_size::of(static_cast<std::int64_t>(
+                 weight_gradient_tile_elements<G>(hidden, vocab_local, gradient.plan.block_rows))) *
              (slots > 0 ? static_cast<std::size_t>(slots) : weight_gradient_tile_slots<G>()) * sizeof(Compute);
     return checked_size::of(vocab_local) * checked_size::of(hidden) * sizeof(Compute);
   }
