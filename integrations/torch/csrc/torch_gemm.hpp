@@ -1,13 +1,16 @@
 #pragma once
 // The GEMM provider of lce_torch's operators (lce/host/gemm_provider.hpp).
 //
-// fp32 and fp64: the sgemm/dgemm of that same MKL where lce's OpenBLAS would
-// run slower kernels than the CPU has (lce::blas_info() says "slow": an
+// fp32 and fp64: the sgemm/dgemm of that same MKL on an Intel CPU (the GEMMs
+// PyTorch's own fp32 matmuls run, which MKL tunes for Intel's cores: on a
+// 2-core AMX Xeon lce took 0.90-0.94x plain PyTorch's time with them against
+// 0.95-1.03x with OpenBLAS's SkylakeX kernels), and wherever lce's OpenBLAS
+// would run slower kernels than the CPU has (lce::blas_info() says "slow": an
 // OpenBLAS 0.3.21 that does not know this CPU model falls back to SSE3
 // kernels, 4x slower, and a library user cannot set OPENBLAS_CORETYPE after
-// `import torch`), or where LCE_TORCH_FP32_BLAS=mkl asks for it; otherwise the
-// CBLAS lce links (OpenBLAS), as lce::cblas_gemm. LCE_TORCH_FP32_BLAS=openblas
-// keeps OpenBLAS. blas_info says which runs.
+// `import torch`); otherwise (AMD and others) the CBLAS lce links (OpenBLAS),
+// as lce::cblas_gemm. LCE_TORCH_FP32_BLAS=mkl or =openblas forces either.
+// blas_info says which runs.
 // bfloat16: the bf16 x bf16 -> fp32 GEMM of the MKL that PyTorch's x86 wheels
 // carry inside libtorch_cpu (cblas_gemm_bf16bf16f32: AMX or AVX512-BF16
 // kernels where the CPU has them, fp32 accumulation), the library PyTorch's
@@ -97,8 +100,12 @@ struct torch_mkl {
       full_gemm_reason = "LCE_TORCH_FP32_BLAS=mkl";
     } else {
       const lce::blas_report own = lce::blas_info();
-      if (!own.slow) return;
-      full_gemm_reason = own.reason;
+      if (own.slow)
+        full_gemm_reason = own.reason;
+      else if (own.cpu.vendor == "GenuineIntel")
+        full_gemm_reason = "an Intel CPU: PyTorch's own fp32 GEMMs";
+      else
+        return;
     }
     sgemm = reinterpret_cast<mkl_fortran_gemm_fn<float>>(dlsym(torch_cpu, "sgemm_"));
     dgemm = reinterpret_cast<mkl_fortran_gemm_fn<double>>(dlsym(torch_cpu, "dgemm_"));

@@ -1,6 +1,6 @@
 """fp32/fp64 GEMMs of lce_torch (csrc/torch_gemm.hpp): lce's OpenBLAS, or the sgemm/dgemm of
-the MKL inside libtorch_cpu where that OpenBLAS runs kernels slower than the CPU allows
-(LCE_TORCH_FP32_BLAS=mkl or =openblas forces a choice; it is read once per process, so each
+the MKL inside libtorch_cpu on an Intel CPU and where that OpenBLAS runs kernels slower than
+the CPU allows (LCE_TORCH_FP32_BLAS=mkl or =openblas forces a choice; it is read once per process, so each
 choice runs in a child). All three GEMMs of a chunk (logits x W^T, dz W, dz^T x) take part,
 so a swapped operand, transpose or leading dimension is off by O(1) against the reference."""
 import os
@@ -55,18 +55,23 @@ def test_each_fp32_gemm_provider_matches_the_float64_reference(tmp_path, dtype, 
         torch.testing.assert_close(got[key], want[key], **GRAD_TOL[dtype])
 
 
-def cpu_flags():
+def cpuinfo(field):
     try:
         with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+            return next((line.split(":", 1)[1].split() for line in f if line.startswith(field)), [])
     except OSError:
         return []
 
 
+def cpu_flags():
+    return cpuinfo("flags")
+
+
 @pytest.mark.parametrize("kernels", ["Prescott", "matching"])
-def test_default_runs_mkl_exactly_when_openblas_kernels_are_slow(tmp_path, monkeypatch, kernels):
+def test_default_runs_mkl_on_intel_and_where_openblas_kernels_are_slow(tmp_path, monkeypatch, kernels):
     """OPENBLAS_CORETYPE picks OpenBLAS's kernels in the child: SSE3 ones on an AVX2/AVX-512 CPU
-    must send fp32 to MKL; the CPU's own class must keep OpenBLAS."""
+    must send fp32 to MKL; the CPU's own class must keep OpenBLAS, except on an Intel CPU
+    (MKL, as PyTorch's own fp32 matmuls)."""
     flags = cpu_flags()
     if not HAS_MKL or "avx2" not in flags:
         pytest.skip("needs x86-64 with AVX2 and a torch with MKL")
@@ -76,7 +81,11 @@ def test_default_runs_mkl_exactly_when_openblas_kernels_are_slow(tmp_path, monke
     if f"kernels {coretype} " not in got["info"]:
         pytest.skip(f"this OpenBLAS does not take OPENBLAS_CORETYPE: {got['info']}")
     on_mkl = "fp32/fp64 GEMMs: MKL's sgemm/dgemm" in got["info"]
-    assert on_mkl == (kernels == "Prescott"), got["info"]
+    intel = cpuinfo("vendor_id") == ["GenuineIntel"]
+    assert on_mkl == (kernels == "Prescott" or intel), got["info"]
+    if on_mkl:
+        reason = "OpenBLAS" if kernels == "Prescott" else "an Intel CPU"
+        assert f"fp32/fp64 GEMMs: MKL's sgemm/dgemm from libtorch_cpu ({reason}" in got["info"], got["info"]
     assert "SLOW" not in got["info"], got["info"]
     want = reference_results(torch.float32)
     for key in ("dh", "dw"):
