@@ -5,8 +5,8 @@
 // lce_torch is built with the CUDA toolkit.
 //
 // Tensor parallel: the communicator runs lce's collectives on the op's
-// torch.distributed group (process_group_comm.hpp) with device tensors, in
-// stream order on the current stream: NCCL's communicator and stream stay
+// torch.distributed group (process_group_comm.hpp) with device tensors,
+// ordered with the current stream: NCCL's communicator and stream stay
 // PyTorch's, so lce never needs its own NCCL (nor one matching torch's).
 //
 // The scratch comes from PyTorch's CUDA caching allocator on the op's stream

@@ -17,8 +17,8 @@
 //
 // Buffers are wrapped as tensors without a copy (at::from_blob). Every
 // collective ends in work->wait(): on the CPU it blocks; on CUDA it makes the
-// current stream (the one lce's CUDA backend runs on) wait for the collective,
-// without blocking the host. Host values travel on CPU tensors where the group
+// current stream (the one lce's CUDA backend runs on) wait for the collective
+// (NCCL's without blocking the host). Host values travel on CPU tensors where the group
 // has a CPU backend (gloo), otherwise through a small tensor on the call's
 // CUDA device (an NCCL-only group), read back with one synchronisation. A c10d
 // failure is raised as lce::error, so lce names the chunk it happened in.
