@@ -1,6 +1,9 @@
+import datetime
 import os
 import subprocess
 import sys
+import tempfile
+import traceback
 import warnings
 
 warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
@@ -82,3 +85,43 @@ def reference_row_gradients(problem, dtype):
     logp, _, ent = reference(hr, wr, targets)
     (logp.sum() * 0.5 + (ent * torch.linspace(-1, 1, ent.numel(), dtype=torch.float64)).sum()).backward()
     return dict(logp=logp.detach(), ent=ent.detach(), dh=hr.grad, dw=wr.grad)
+
+
+# ---- several processes (torch.distributed) ------------------------------------
+
+
+def init_group(rank, world, init_file, backend="gloo"):
+    """Joins a spawned rank to the world and returns a group of every rank other than the
+    default one, so that lce resolves it by its own name."""
+    import torch.distributed as dist
+
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    return dist.new_group(list(range(world)))
+
+
+def _rank_main(rank, body, world, init_file, error_dir, args):
+    import torch.distributed as dist
+
+    try:
+        body(rank, world, init_file, *args)
+        if dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def spawn_ranks(body, world, *args):
+    """Runs body(rank, world, init_file, *args) in `world` processes (a module-level function:
+    each process imports it); when one fails, the test fails with every failed rank's traceback."""
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            mp.spawn(_rank_main, args=(body, world, os.path.join(tmp, "init"), tmp, args), nprocs=world, join=True)
+        except Exception:
+            errors = "".join(open(os.path.join(tmp, f)).read() for f in sorted(os.listdir(tmp)) if f.startswith("rank"))
+            pytest.fail(f"a rank failed:\n{errors}")

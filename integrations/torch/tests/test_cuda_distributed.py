@@ -9,17 +9,13 @@ the rows) as in test_distributed.py, equal one process:
 
 Bad input on one rank raises on both, a rank passing CPU tensors beside CUDA ones
 included, and a loss with the group takes CUDA log-probs. Elsewhere skipped, saying why."""
-import datetime
-import os
-import tempfile
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import lce_torch
+from conftest import init_group, spawn_ranks
 from test_distributed import _check_errors, _check_tp, _data
 
 pytestmark = [
@@ -64,44 +60,25 @@ def _check_loss(rank, group, device):
     torch.testing.assert_close(total.cpu(), whole, atol=1e-12, rtol=1e-12)
 
 
-def _worker(rank, backend, init_file, error_dir):
-    try:
-        device = f"cuda:{rank if backend == 'nccl' else 0}"
-        torch.cuda.set_device(device)
-        dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                                timeout=datetime.timedelta(seconds=120))
-        group = dist.new_group(list(range(WORLD)))
-        for dtype in (torch.float32, torch.bfloat16, torch.float16):
-            _check_tp(rank, WORLD, group, dtype, sequence_parallel=False, device=device)
-        _check_tp(rank, WORLD, group, torch.float32, sequence_parallel=True, device=device)
-        _check_tp(rank, WORLD, group, torch.bfloat16, sequence_parallel=True, device=device)
-        _check_errors(rank, WORLD, group, device)
-        _check_mixed_devices(rank, group, backend, device)
-        _check_loss(rank, group, device)
-        torch.cuda.synchronize()
-        dist.barrier(group)
-        dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-
-
-def _spawn(backend):
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        try:
-            mp.spawn(_worker, args=(backend, init_file, tmp), nprocs=WORLD, join=True)
-        except Exception:
-            errors = "".join(open(os.path.join(tmp, f)).read() for f in sorted(os.listdir(tmp)) if f.startswith("rank"))
-            pytest.fail(f"a rank failed:\n{errors}")
+def _ranks(rank, world, init_file, backend):
+    device = f"cuda:{rank if backend == 'nccl' else 0}"
+    torch.cuda.set_device(device)
+    group = init_group(rank, world, init_file, backend)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        _check_tp(rank, world, group, dtype, sequence_parallel=False, device=device)
+    _check_tp(rank, world, group, torch.float32, sequence_parallel=True, device=device)
+    _check_tp(rank, world, group, torch.bfloat16, sequence_parallel=True, device=device)
+    _check_errors(rank, world, group, device)
+    _check_mixed_devices(rank, group, backend, device)
+    _check_loss(rank, group, device)
+    torch.cuda.synchronize()
 
 
 def test_tensor_parallel_gloo_on_one_gpu():
-    _spawn("gloo")
+    spawn_ranks(_ranks, WORLD, "gloo")
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < WORLD or not dist.is_nccl_available(),
                     reason=f"NCCL needs {WORLD} CUDA devices (one per process)")
 def test_tensor_parallel_nccl():
-    _spawn("nccl")
+    spawn_ranks(_ranks, WORLD, "nccl")

@@ -1,15 +1,12 @@
 """Tensor parallel through torch.distributed (gloo, CPU): the vocabulary split over 2 and
 3 processes, each calling lce with its weight shard and the group, equals one process
 with the whole weight; bad input on one rank raises on every rank (no hang)."""
-import datetime
-import os
-import tempfile
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from conftest import init_group, spawn_ranks
 
 # Vocabulary bounds per world size (uneven, one shard of a single row).
 SPLITS = {2: [0, 60, 101], 3: [0, 40, 41, 101]}
@@ -121,33 +118,17 @@ def _check_errors(rank, world, group, device="cpu"):
     lce_torch.linear_logprobs(h, ws, y, vocab_start=a, group=group)
 
 
-def _worker(rank, world, init_file, error_dir):
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=120))
-        # A group other than the default one, to resolve by its own name.
-        group = dist.new_group(list(range(world)))
-        for dtype in (torch.float32, torch.float64, torch.bfloat16):
-            _check_tp(rank, world, group, dtype, sequence_parallel=False)
-        for dtype in (torch.float32, torch.float64):
-            _check_tp(rank, world, group, dtype, sequence_parallel=True)
-        _check_tp(rank, world, dist.group.WORLD, torch.float32, sequence_parallel=False)
-        _check_errors(rank, world, group)
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+def _ranks(rank, world, init_file):
+    torch.set_num_threads(1)
+    group = init_group(rank, world, init_file)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16):
+        _check_tp(rank, world, group, dtype, sequence_parallel=False)
+    for dtype in (torch.float32, torch.float64):
+        _check_tp(rank, world, group, dtype, sequence_parallel=True)
+    _check_tp(rank, world, dist.group.WORLD, torch.float32, sequence_parallel=False)
+    _check_errors(rank, world, group)
 
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_tensor_parallel_gloo(world):
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        try:
-            mp.spawn(_worker, args=(world, init_file, tmp), nprocs=world, join=True)
-        except Exception:
-            errors = "".join(open(os.path.join(tmp, f)).read() for f in sorted(os.listdir(tmp)) if f.startswith("rank"))
-            pytest.fail(f"a rank failed:\n{errors}")
+    spawn_ranks(_ranks, world)

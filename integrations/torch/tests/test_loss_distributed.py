@@ -2,16 +2,13 @@
 the sequences, the normaliser is the global count, and the ranks' losses sum to the
 one-process loss over the whole batch, with each rank's gradient the matching slice of
 the one-process gradient; bad input on one rank raises on both (no hang)."""
-import datetime
 import math
-import os
-import tempfile
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+
+from conftest import init_group, spawn_ranks
 
 WORLD = 2
 LENGTHS = (5, 0, 1, 7, 3, 4, 2, 6)  # sequences 0-3 on rank 0, 4-7 on rank 1
@@ -121,28 +118,13 @@ def _check_errors(rank, group):
     lce_torch.sft_loss(mine["logp"], mine["targets"], mine["cu"], group=group)
 
 
-def _worker(rank, init_file, error_dir):
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
-                                timeout=datetime.timedelta(seconds=120))
-        group = dist.new_group(list(range(WORLD)))
-        _check_global_normalisation(rank, group)
-        _check_data_parallel_end_to_end(rank, group)
-        _check_errors(rank, group)
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+def _ranks(rank, world, init_file):
+    torch.set_num_threads(1)
+    group = init_group(rank, world, init_file)
+    _check_global_normalisation(rank, group)
+    _check_data_parallel_end_to_end(rank, group)
+    _check_errors(rank, group)
 
 
 def test_losses_globally_normalised_over_gloo():
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        try:
-            mp.spawn(_worker, args=(init_file, tmp), nprocs=WORLD, join=True)
-        except Exception:
-            errors = "".join(open(os.path.join(tmp, f)).read() for f in sorted(os.listdir(tmp)) if f.startswith("rank"))
-            pytest.fail(f"a rank failed:\n{errors}")
+    spawn_ranks(_ranks, WORLD)

@@ -2,18 +2,13 @@
 distillation loss from a teacher's top-K, against references materialised in float64:
 values and gradients, every dtype, opcheck / gradcheck, bad input, torch.compile, and
 2-process gloo tensor parallelism equal to one process."""
-import datetime
-import os
-import tempfile
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import lce_torch
-from conftest import GRAD_TOL, TOL
+from conftest import GRAD_TOL, TOL, init_group, spawn_ranks
 
 IGNORE = -100
 F64 = dict(atol=1e-10, rtol=1e-10)
@@ -527,29 +522,13 @@ def _check_tp(rank, group, dtype, sequence_parallel=False):
     assert torch.equal(bad, before)
 
 
-def _worker(rank, world, init_file, error_dir):
-    try:
-        torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=120))
-        group = dist.new_group(list(range(world)))
-        for dtype in (torch.float64, torch.float32):
-            _check_tp(rank, group, dtype)
-        _check_tp(rank, group, torch.float64, sequence_parallel=True)
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
+def _ranks(rank, world, init_file):
+    torch.set_num_threads(1)
+    group = init_group(rank, world, init_file)
+    for dtype in (torch.float64, torch.float32):
+        _check_tp(rank, group, dtype)
+    _check_tp(rank, group, torch.float64, sequence_parallel=True)
 
 
 def test_tensor_parallel_gloo():
-    world = 2
-    with tempfile.TemporaryDirectory() as tmp:
-        init_file = os.path.join(tmp, "init")
-        try:
-            mp.spawn(_worker, args=(world, init_file, tmp), nprocs=world, join=True)
-        except Exception:
-            errors = "".join(open(os.path.join(tmp, f)).read() for f in sorted(os.listdir(tmp)) if f.startswith("rank"))
-            pytest.fail(f"a rank failed:\n{errors}")
+    spawn_ranks(_ranks, 2)
