@@ -1,18 +1,18 @@
 // A backend shaped like lce::cuda_backend as far as the engine can tell at
-// compile time and in its plan: its memory space (device by default), GEMMs
-// that read 2-byte rows as stored, dz recomputed in the gradient pass, int
-// GEMM extents, the optional concepts (dX with beta, dW straight into a
-// grad_weight of the operand type with no tile scratch, the accumulator
-// rounded in by the last chunk) and vocabulary-order blocks bounded by the
-// budget alone (VocabularyBlockBytes: SIZE_MAX, as cuda_backend's; another
-// value to compare). Nothing here runs: allocation fails and every pass is empty.
+// compile time and in its plan: cuda_backend's own plan traits
+// (lce::detail::cuda_plan_traits: GEMMs that read 2-byte rows as stored, dz
+// recomputed in the gradient pass, int GEMM extents, dW tiles with no
+// scratch), the optional concepts' signatures (dX with beta, dW straight into a
+// grad_weight of the operand type, the accumulator rounded in by the last
+// chunk), and two parameters to compare: the memory space (device by default)
+// and the vocabulary-order block bound (cuda_backend's by default). Nothing here runs: allocation fails and every pass is empty.
 // Used where a device-style backend is needed without nvcc (the workspace-plan
 // tests, the compile-fail test pairing it with a host communicator).
 #pragma once
 
+#include <lce/cuda/detail/plan_traits.hpp>
 #include <lce/lce.hpp>
 
-#include <climits>
 #include <concepts>
 #include <cstddef>
 #include <cstdint>
@@ -20,14 +20,11 @@
 
 namespace lce_test {
 
-template <class MemorySpace = lce::device_memory, std::size_t VocabularyBlockBytes = SIZE_MAX>
-struct device_shaped_backend {
+template <class MemorySpace = lce::device_memory,
+          std::size_t VocabularyBlockBytes = lce::detail::cuda_plan_traits::vocabulary_block_bytes>
+struct device_shaped_backend : lce::detail::cuda_plan_traits {
   using memory_space = MemorySpace;
-  template <class T>
-  using gemm_operand = T;
-  static constexpr bool reuses_exp_block = false;
   static constexpr std::size_t vocabulary_block_bytes = VocabularyBlockBytes;
-  static constexpr std::int64_t max_gemm_extent = INT_MAX;
 
   void* allocate(std::size_t) { throw std::bad_alloc(); }
   void deallocate(void*, std::size_t) noexcept {}
@@ -42,11 +39,6 @@ struct device_shaped_backend {
                    A = A(0)) {}
   template <class In, class A>
   void grad_weight(lce::matrix_view<const In>, lce::matrix_view<const In>, A, lce::matrix_view<A>) {}
-  template <class A>
-  static constexpr std::int64_t weight_gradient_tile_elements(std::int64_t, std::int64_t, std::int64_t) {
-    return 0;
-  }
-  static constexpr int weight_gradient_tile_slots() { return 1; }
   template <class O, class A, class G>
     requires(!std::same_as<A, G> && std::same_as<O, G>)
   void grad_weight(lce::matrix_view<const O>, lce::matrix_view<const O>, A, lce::matrix_view<G>, A*) {}

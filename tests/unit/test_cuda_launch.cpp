@@ -291,7 +291,8 @@ TEST_CASE("device-style workspace plan: the vocabulary order's block is bounded 
   const std::size_t dx_sum = static_cast<std::size_t>(n * h) * sizeof(float);
   const std::size_t tile_block = static_cast<std::size_t>(n) * 4096 * (sizeof(float) + sizeof(lce::bfloat16));
   const std::size_t bounded = held_by_backward<std::size_t{16} << 20>(n, h, v, opt);
-  const std::size_t budget_only = held_by_backward<SIZE_MAX>(n, h, v, opt);
+  constexpr std::size_t cuda_bound = lce::detail::cuda_plan_traits::vocabulary_block_bytes;  // cuda_backend's own
+  const std::size_t budget_only = held_by_backward<cuda_bound>(n, h, v, opt);
   CAPTURE(bounded);
   CAPTURE(budget_only);
   // Both took the vocabulary order: less than the accumulator alone.

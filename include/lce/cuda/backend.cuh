@@ -34,6 +34,7 @@
 #include <lce/core/views.hpp>
 #include <lce/cuda/detail/cublas_gemm.cuh>
 #include <lce/cuda/detail/launch_shape.hpp>
+#include <lce/cuda/detail/plan_traits.hpp>
 #include <lce/cuda/detail/row_kernels.cuh>
 #include <lce/cuda/error.cuh>
 #include <lce/detail/workspace.hpp>
@@ -70,19 +71,10 @@ struct cuda_backend_options {
   void* allocator_context = nullptr;
 };
 
-class cuda_backend {
+// Its plan traits (memory space, operands, block bound, dW tiles) are
+// detail::cuda_plan_traits, which the host-compiled tests share.
+class cuda_backend : public detail::cuda_plan_traits {
  public:
-  using memory_space = device_memory;
-  // bf16 / fp16 rows go to the GEMMs as stored (fp32 accumulation).
-  template <class T>
-  using gemm_operand = T;
-  // dz = -g exp(z - lse) recomputed in the gradient pass costs less than a
-  // second read-modify-write of the block in the statistics pass.
-  static constexpr bool reuses_exp_block = false;
-  // The vocabulary order's blocks as large as the budget allows.
-  static constexpr std::size_t vocabulary_block_bytes = SIZE_MAX;
-  // cublasGemmEx counts in int.
-  static constexpr std::int64_t max_gemm_extent = INT_MAX;
 
   explicit cuda_backend(cudaStream_t stream, cuda_backend_options opt = {})
       : state_(std::make_unique<state>(stream, opt)) {}
@@ -148,14 +140,7 @@ class cuda_backend {
   }
 
   // dw += alpha dz^T x into a 2-byte grad_weight of the inputs' own type
-  // (adds_weight_gradient_tiles): cuBLAS sums the product in fp32 onto dw and
-  // rounds into it once, so these tiles need no scratch.
-  template <class A>
-  static constexpr std::int64_t weight_gradient_tile_elements(std::int64_t, std::int64_t, std::int64_t) {
-    return 0;
-  }
-  static constexpr int weight_gradient_tile_slots() { return 1; }
-
+  // (adds_weight_gradient_tiles; no tile scratch, see cuda_plan_traits).
   template <class O, class A, class G>
     requires(!std::same_as<A, G> && std::same_as<O, G>)
   void grad_weight(matrix_view<const O> dz, matrix_view<const O> x, A alpha, matrix_view<G> dw, A*) {
