@@ -262,7 +262,7 @@ void check_resources_may_differ(const Comm& comm) {
   const auto w = lce_dist::converted<T>(p.w, static_cast<std::size_t>(v0 * h), static_cast<std::size_t>(vr * h));
   const auto gf = to_floats(g);
 
-  for (int variant = 0; variant < 3; ++variant) {
+  for (int variant = 0; variant < 4; ++variant) {
     CAPTURE(variant);
     lce::options o;
     o.vocab_start = v0;
@@ -275,6 +275,10 @@ void check_resources_may_differ(const Comm& comm) {
       o.workspace_limit_bytes = std::size_t{3} << 20;
       threads = 1 + rank % 2;
     }
+    // Rank 0 asks for chunks of 13 rows (48 = 13 + 13 + 13 + 9), the others for
+    // the budget's (all 48 rows, evened to nothing smaller): the others must take
+    // 13 as agreed, not even it again to 12 (4 x 12) and run other chunks.
+    if (variant == 3 && rank == 0) o.chunk_tokens = 13;
     lce::ChunkedHiddenToLogprobs<Comm, T> op(comm, o, lce::host{threads});
     std::vector<float> lp(n), dx(static_cast<std::size_t>(n * h)), dw(static_cast<std::size_t>(vr * h), 0.0f);
     const std::string message = error_of([&] {

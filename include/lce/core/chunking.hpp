@@ -8,7 +8,10 @@
 // Who decides, in order:
 //   fixed_chunk<K>        K, always; an options.chunk_tokens other than 0 or K is an error
 //   options.chunk_tokens  > 0: that many rows (with budget_chunk or any run-time policy)
-//   the policy            asked with the call's shapes and options.workspace_limit_bytes
+//   the policy            asked with the call's shapes and options.workspace_limit_bytes;
+//                         its answer is the most rows a chunk may take: the tokens
+//                         go in the fewest such chunks, as even as rows allow
+//                         (1,100 tokens under a 1,024-row answer: two of 550)
 // With several ranks every rank proposes its chunk and all use the smallest,
 // so ranks may differ in budget or threads. The chunk is also capped so that
 // each per-chunk message fits a communicator's int count (MPI). A fixed

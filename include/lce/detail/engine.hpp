@@ -563,6 +563,7 @@ class engine {
                                    std::int64_t agreed_rows = 0, std::int64_t set_size = 0) const {
     const auto shape = shape_of(hidden, vocab_local, set_size);
     std::int64_t rows = 0;
+    bool evened = false;  // a run-time policy's answer: the most rows a chunk may take
     if constexpr (fixed_chunk_policy<Chunk>) {
       rows = Chunk::tokens;
     } else if (options_.chunk_tokens > 0) {
@@ -577,13 +578,24 @@ class engine {
       request.fixed_bytes = saturated(workspace_plan<Compute>::fixed_bytes(shape));
       request.workspace_limit_bytes = options_.workspace_limit_bytes;
       rows = std::max<std::int64_t>(1, static_cast<std::int64_t>(Chunk{}.tokens_per_chunk(request)));
+      evened = true;
     }
-    if (agreed_rows > 0) rows = std::min(rows, agreed_rows);
+    // The ranks' agreed chunk is some rank's finished plan: taken as it is, so
+    // that every rank runs the same chunks.
+    if (agreed_rows > 0 && agreed_rows < rows) rows = agreed_rows, evened = false;
     rows = std::min(rows, message_row_limit(hidden, set_size));
     const std::int64_t share = shape.sequence_parallel ? shape.ranks : 1;
     const std::int64_t local_tokens = n_tokens / share;
-    const std::int64_t local_chunk =
-        std::clamp<std::int64_t>(rows / share, 1, std::max<std::int64_t>(local_tokens, 1));
+    std::int64_t local_chunk = std::clamp<std::int64_t>(rows / share, 1, std::max<std::int64_t>(local_tokens, 1));
+    // The fewest chunks of at most that many rows, as even as rows allow: a
+    // short last chunk would cost a whole pass over dW's [V_local, H] for a
+    // few rows (N = 1,100 in chunks of 1,024: the second holds 76), and its
+    // GEMMs run slowly. Evening is idempotent, so a rank that gets another's
+    // evened chunk back from the agreement keeps it.
+    if (evened && local_tokens > 0) {
+      const std::int64_t chunks = local_tokens / local_chunk + (local_tokens % local_chunk != 0);
+      local_chunk = local_tokens / chunks + (local_tokens % chunks != 0);
+    }
     return workspace_plan<Compute>::make(shape, local_chunk);
   }
 
