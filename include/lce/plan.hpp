@@ -240,7 +240,11 @@ inline step_memory plan_step(const plan_request& r, plan_scheme scheme, std::int
 
 // The longest sequence (tokens; a multiple of P under sequence parallelism)
 // whose plan_step(...).total() fits r.budget_bytes: 0 if none does; capped at
-// 2^31 (the search stops there: say "at least").
+// 2^31 (the search stops there: say "at least"). lce's chunks are evened per N
+// (core/chunking.hpp), so its workspace saw-tooths by a few rows of logits as N
+// grows and fits() may flip near the edge: the bisection returns a length that
+// fits, within those rows' bytes of the longest (Llama-3-8B at 100K tokens under
+// the 256 MiB default: about 3 rows of fp32 logits, 1.4 MB).
 inline constexpr std::int64_t plan_max_tokens = std::int64_t{1} << 31;
 
 inline std::int64_t longest_sequence(const plan_request& r, plan_scheme scheme) {
