@@ -587,15 +587,7 @@ class engine {
     const std::int64_t share = shape.sequence_parallel ? shape.ranks : 1;
     const std::int64_t local_tokens = n_tokens / share;
     std::int64_t local_chunk = std::clamp<std::int64_t>(rows / share, 1, std::max<std::int64_t>(local_tokens, 1));
-    // The fewest chunks of at most that many rows, as even as rows allow: a
-    // short last chunk would cost a whole pass over dW's [V_local, H] for a
-    // few rows (N = 1,100 in chunks of 1,024: the second holds 76), and its
-    // GEMMs run slowly. Evening is idempotent, so a rank that gets another's
-    // evened chunk back from the agreement keeps it.
-    if (evened && local_tokens > 0) {
-      const std::int64_t chunks = local_tokens / local_chunk + (local_tokens % local_chunk != 0);
-      local_chunk = local_tokens / chunks + (local_tokens % chunks != 0);
-    }
+    if (evened) local_chunk = evened_chunk_rows(local_tokens, local_chunk);  // core/chunking.hpp
     return workspace_plan<Compute>::make(shape, local_chunk);
   }
 

@@ -63,16 +63,12 @@ def cpuinfo(field):
         return []
 
 
-def cpu_flags():
-    return cpuinfo("flags")
-
-
 @pytest.mark.parametrize("kernels", ["Prescott", "matching"])
 def test_default_runs_mkl_on_intel_and_where_openblas_kernels_are_slow(tmp_path, monkeypatch, kernels):
     """OPENBLAS_CORETYPE picks OpenBLAS's kernels in the child: SSE3 ones on an AVX2/AVX-512 CPU
     must send fp32 to MKL; the CPU's own class must keep OpenBLAS, except on an Intel CPU
     (MKL, as PyTorch's own fp32 matmuls)."""
-    flags = cpu_flags()
+    flags = cpuinfo("flags")
     if not HAS_MKL or "avx2" not in flags:
         pytest.skip("needs x86-64 with AVX2 and a torch with MKL")
     coretype = kernels if kernels == "Prescott" else ("SkylakeX" if "avx512f" in flags else "Haswell")
