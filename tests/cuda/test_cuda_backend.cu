@@ -136,13 +136,24 @@ TEST_CASE_TEMPLATE("cuda: a caller workspace too small raises lce::error and wri
   problem p = make_problem(23, 40, 301, 91, rounder_for<T>(), 1.0, 1.0, 0.15);
   const auto opt = make_options(1.0f, 0.0f, 6);
   const std::size_t bytes = device_op<T>(opt).workspace_bytes(p.n, p.h, p.v);
+  const auto X = make_matrix<T>(p.x, p.n, p.h);
+  const auto W = make_matrix<T>(p.w, p.v, p.h);
+  const auto Y = make_targets<std::int64_t>(p.y);
+  // A forward holds only the sweep's scratch: workspace_bytes also counts a 2-byte
+  // grad_weight's fp32 accumulator, so half of it may still hold a forward.
+  std::size_t forward_bytes = 0;
+  {
+    device_op<T> probe(opt);
+    vector_buf<O> lp(p.n), lse(p.n), ent(p.n);
+    probe.forward(X.cview(), W.cview(), Y.cview(), lp.view(), lse.view(), ent.view());
+    forward_bytes = probe.held_workspace_bytes();
+  }
+  REQUIRE(forward_bytes > 64);
+  REQUIRE(forward_bytes <= bytes);
   device_buffer workspace(bytes);
-  for (const std::size_t given : {bytes / 2, std::size_t{64}}) {
+  for (const std::size_t given : {forward_bytes / 2, std::size_t{64}}) {
     CAPTURE(given);
     device_op<T> op(opt, lce::cuda_backend_options{.workspace = workspace.pointer, .workspace_bytes = given});
-    const auto X = make_matrix<T>(p.x, p.n, p.h);
-    const auto W = make_matrix<T>(p.w, p.v, p.h);
-    const auto Y = make_targets<std::int64_t>(p.y);
     vector_buf<O> lp(p.n), lse(p.n), ent(p.n), G(random_vector(p.n, 92, -1, 1, rounder_for<O>()));
     lp.fill(garbage<O>());
     lse.fill(garbage<O>());

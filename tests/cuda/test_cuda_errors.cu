@@ -58,6 +58,14 @@ TEST_CASE("LCE_NCCL_TRY: a failing NCCL call raises lce::error with the call, th
   CHECK(has(message, "ncclCommCount(nullptr, nullptr)"));
   CHECK(has(message, "ncclInvalidArgument"));
   CHECK(has(message, "test_cuda_errors.cu:" + std::to_string(line)));
+  CHECK(!has(message, "blocking"));
+}
+
+TEST_CASE("LCE_NCCL_TRY: ncclInProgress (a non-blocking communicator) says lce needs a blocking one") {
+  const std::string message = error_of([] { LCE_NCCL_TRY(ncclInProgress); });
+  INFO(message);
+  CHECK(has(message, "ncclInProgress"));
+  CHECK(has(message, "needs a blocking communicator"));
 }
 #endif
 
@@ -70,12 +78,12 @@ TEST_CASE("cuda_backend: without a usable device, construction raises lce::error
   if (status == cudaSuccess && devices > 0) {
     CHECK_MESSAGE(message.empty(), "a device is here, so the backend must construct");
   } else {
-    CHECK((has(message, "cublasCreate") || has(message, "cudaMalloc")));
+    CHECK((has(message, "cudaGetDevice") || has(message, "cublasCreate") || has(message, "cudaMalloc")));
     CHECK(has(message, "backend.cuh:"));
   }
 }
 
-TEST_CASE("cuda_backend_options: allocate without deallocate, or beside a workspace, raises before any CUDA call") {
+TEST_CASE("cuda_backend_options: allocate without deallocate, beside a workspace, or a misaligned workspace, raises before any CUDA call") {
   void* (*allocate)(std::size_t, cudaStream_t, void*) = [](std::size_t, cudaStream_t, void*) -> void* {
     return nullptr;
   };
@@ -91,4 +99,8 @@ TEST_CASE("cuda_backend_options: allocate without deallocate, or beside a worksp
                                         .deallocate = deallocate}};
   });
   CHECK(has(message, "workspace and allocate are two sources of the scratch"));
+  alignas(64) char lines[128];
+  message = error_of([&] { lce::cuda_backend backend{nullptr, {.workspace = lines + 8, .workspace_bytes = 64}}; });
+  CHECK(has(message, "cuda_backend_options::workspace"));
+  CHECK(has(message, "is not aligned to 64 bytes"));
 }

@@ -208,7 +208,8 @@ TEST_CASE_TEMPLATE("device-style workspace plan: dz operand block of T, no hidde
     // workspace_bytes: that plan plus, for a call of several chunks, the fp32
     // [V, H] accumulator of a T grad_weight; a call of one chunk (on one
     // rank) has cuBLAS round dW straight into grad_weight: no dW scratch.
-    const std::size_t accumulator = n > chunk ? static_cast<std::size_t>(v * h) * sizeof(float) : 0;
+    // Whole cache lines, like the plan's blocks (v * h * 4 = 48,160 is not).
+    const std::size_t accumulator = n > chunk ? align64(static_cast<std::size_t>(v * h) * sizeof(float)) : 0;
     CHECK(op.workspace_bytes(n, h, v) == expected_plan_bytes(chunk, h, v, sizeof(T)) + accumulator);
   }
 }

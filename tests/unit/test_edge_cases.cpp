@@ -2,6 +2,11 @@
 // buffers, target index types, ignore_index) and the view types accepted.
 #include "cases/edge_cases.hpp"
 
+#include <cmath>
+#if defined(__x86_64__)
+#include <pmmintrin.h>  // the MXCSR's flush-to-zero and denormals-are-zero modes
+#endif
+
 #if LCE_TESTS_HAVE_CCCL && __has_include(<cuda/std/mdspan>)
 #include <cuda/std/mdspan>
 #define LCE_T_CUDA_MDSPAN 1
@@ -86,6 +91,29 @@ TEST_CASE("float16: rounds to nearest even and converts back exactly") {
   }
   CHECK(bad_back == 0);
 }
+
+#if defined(__x86_64__)
+// nvcc -ftz (and fast math) flush denormal operands to zero. On the host the
+// MXCSR's flush-to-zero and denormals-are-zero bits do the same, so every
+// subnormal half is checked here as the device would widen it.
+TEST_CASE("float16: subnormal halves widen exactly with denormals flushed to zero") {
+  const unsigned int saved = _mm_getcsr();
+  _MM_SET_FLUSH_ZERO_MODE(_MM_FLUSH_ZERO_ON);
+  _MM_SET_DENORMALS_ZERO_MODE(_MM_DENORMALS_ZERO_ON);
+  int bad = 0;
+  for (std::uint32_t b = 1; b < 0x400u; ++b) {
+    for (const std::uint32_t sign : {0u, 0x8000u}) {
+      const auto bits = static_cast<std::uint16_t>(b | sign);
+      const float got = static_cast<float>(std::bit_cast<lce::float16>(bits));
+      const float want = (sign ? -1.0f : 1.0f) * std::ldexp(static_cast<float>(b), -24);
+      if (std::bit_cast<std::uint32_t>(got) != std::bit_cast<std::uint32_t>(want) && bad++ < 5)
+        FAIL_CHECK("float(float16 bits " << static_cast<unsigned>(bits) << ") = " << got << ", want " << want);
+    }
+  }
+  _mm_setcsr(saved);
+  CHECK(bad == 0);
+}
+#endif
 
 // ---------------------------------------------------------------------------
 // N = 0

@@ -6,7 +6,8 @@
 // Data collectives are enqueued on `stream` and act on device memory; the
 // two control collectives (all_agree, all_gather_host) take host values,
 // stage them through a small device buffer and synchronise the stream. The
-// operator neither owns nor destroys the ncclComm_t or the stream.
+// operator neither owns nor destroys the ncclComm_t or the stream. The
+// communicator must be blocking (NCCL's default).
 
 #include <lce/comm/communicator.hpp>
 #include <lce/core/backend.hpp>
@@ -42,8 +43,13 @@ constexpr const char* nccl_result_name(ncclResult_t status) {
 
 inline void check_nccl(ncclResult_t status, const char* call, const char* file, int line) {
   if (status == ncclSuccess) return;
+  // A non-blocking communicator (ncclConfig_t::blocking = 0) returns this and finishes later; lce's
+  // collectives are enqueued in order with its kernels and cannot wait on it.
+  const char* why = status == ncclInProgress ? "; lce::comm::nccl needs a blocking communicator "
+                                               "(ncclConfig_t::blocking = 1, NCCL's default)"
+                                             : "";
   fail("NCCL: ", call, " failed: ", nccl_result_name(status), " (", ncclGetErrorString(status), ") at ", file, ":",
-       line);
+       line, why);
 }
 
 }  // namespace detail

@@ -35,9 +35,13 @@ LCE_HOST_DEVICE constexpr float bfloat16_bits_to_float(std::uint16_t bits) {
 LCE_HOST_DEVICE constexpr float float16_bits_to_float(std::uint16_t bits) {
   const std::uint32_t sign = (static_cast<std::uint32_t>(bits) & 0x8000u) << 16;
   const std::uint32_t magnitude = static_cast<std::uint32_t>(bits) & 0x7fffu;
-  // Shifting the exponent-and-mantissa into place and scaling by 2^112 moves
-  // the exponent bias from 15 to 127; subnormal halves land exactly as well.
-  std::uint32_t widened = bits_of(float_of(magnitude << 13) * 0x1p112f);
+  // Normal halves: shifting the exponent-and-mantissa into place and scaling
+  // by 2^112 moves the exponent bias from 15 to 127. Subnormal halves are
+  // magnitude x 2^-24, exact in a float: their shifted pattern would be a float
+  // denormal, which flush-to-zero arithmetic (nvcc -ftz, fast math) reads as 0.
+  const std::uint32_t normal = bits_of(float_of(magnitude << 13) * 0x1p112f);
+  const std::uint32_t subnormal = bits_of(static_cast<float>(magnitude) * 0x1p-24f);
+  std::uint32_t widened = magnitude < 0x400u ? subnormal : normal;
   widened = magnitude >= 0x7c00u ? (widened | 0x7f800000u) : widened;
   return float_of(widened | sign);
 }

@@ -32,6 +32,7 @@
 #include <lce/core/error.hpp>
 #include <lce/core/row_math.hpp>
 #include <lce/core/views.hpp>
+#include <lce/cuda/detail/caller_workspace.hpp>
 #include <lce/cuda/detail/cublas_gemm.cuh>
 #include <lce/cuda/detail/launch_shape.hpp>
 #include <lce/cuda/detail/plan_traits.hpp>
@@ -86,7 +87,8 @@ class cuda_backend : public detail::cuda_plan_traits {
 
   void* allocate(std::size_t bytes) {
     auto& s = *state_;
-    if (s.options.workspace) return s.carve(bytes);
+    expect_own_device("an allocation");
+    if (s.options.workspace) return s.caller_buffer.carve(bytes);
     if (s.options.allocate) {
       void* pointer = s.options.allocate(bytes, s.stream, s.options.allocator_context);
       if (!pointer) throw std::bad_alloc();
@@ -109,7 +111,7 @@ class cuda_backend : public detail::cuda_plan_traits {
 
   void deallocate(void* pointer, std::size_t bytes) noexcept {
     auto& s = *state_;
-    if (s.options.workspace) return s.give_back(pointer);
+    if (s.options.workspace) return s.caller_buffer.give_back(pointer);
     if (s.options.deallocate) return s.options.deallocate(pointer, bytes, s.stream, s.options.allocator_context);
     (void)cudaFreeAsync(pointer, s.stream);
   }
@@ -260,10 +262,11 @@ class cuda_backend : public detail::cuda_plan_traits {
     if (tiles.count == 0) return;
     // Without an operand block the gradient overwrites the logits in place.
     Out* const out = args.gradient_operand ? args.gradient_operand : reinterpret_cast<Out*>(args.logits.data);
+    const std::int64_t out_ld = args.gradient_operand ? args.gradient_operand_ld : args.logits.ld;
     if (!args.gradient_operand && !std::is_same_v<Out, A>)
       detail::fail("cuda_backend::logit_gradients: a ", sizeof(Out), "-byte operand type needs its own dz block");
     const auto run = [&](auto kernel) {
-      kernel<<<launch_blocks(tiles.launch), tiles.launch.threads, 0, stream()>>>(args, out, tiles.per_row,
+      kernel<<<launch_blocks(tiles.launch), tiles.launch.threads, 0, stream()>>>(args, out, out_ld, tiles.per_row,
                                                                                    tiles.count);
       LCE_CUDA_TRY(cudaGetLastError());
     };
@@ -285,7 +288,7 @@ class cuda_backend : public detail::cuda_plan_traits {
       const auto items = detail::cuda_launch::one_thread_per_item(args.logits.rows * args.set_size);
       if (items.blocks == 0) return;
       const auto fix = [&](auto kernel) {
-        kernel<<<launch_blocks(items), items.threads, 0, stream()>>>(args, out, args.logits.rows);
+        kernel<<<launch_blocks(items), items.threads, 0, stream()>>>(args, out, out_ld, args.logits.rows);
         LCE_CUDA_TRY(cudaGetLastError());
       };
       if (args.grad_entropy)
@@ -319,6 +322,7 @@ class cuda_backend : public detail::cuda_plan_traits {
   template <class I>
   target_scan scan_targets(const vector_view<const I>& targets, std::int64_t ignore_index) {
     auto& s = *state_;
+    expect_own_device("a call");
     detail::cuda_kernels::target_extremes found;
     if (targets.size > 0) {
       detail::cuda_kernels::scan_targets_kernel<I>
@@ -340,6 +344,17 @@ class cuda_backend : public detail::cuda_plan_traits {
   }
 
  private:
+  // The handle and the scan buffers belong to the device current at
+  // construction; kernels go to whichever is current. Another device would
+  // fail deep inside cuBLAS, or later, so it is named here, before any launch.
+  void expect_own_device(const char* what) const {
+    int current = -1;
+    LCE_CUDA_TRY(cudaGetDevice(&current));
+    if (current != state_->device)
+      detail::fail("cuda_backend: ", what, " with CUDA device ", current, " current, but the backend was made on device ",
+                   state_->device, "; make it current (cudaSetDevice) or make a backend per device");
+  }
+
   template <class Kernel, class... Args>
   void launch_per_item(std::int64_t items, Kernel kernel, const Args&... args) {
     const auto launch = detail::cuda_launch::one_thread_per_item(items);
@@ -353,19 +368,25 @@ class cuda_backend : public detail::cuda_plan_traits {
   struct state {
     cudaStream_t stream;
     cuda_backend_options options;
+    int device = -1;  // current at construction: the handle, the scan buffers and the stream's kernels live there
     cublasHandle_t handle = nullptr;
     detail::cuda_kernels::target_extremes* scan_result = nullptr;  // device
     detail::cuda_kernels::target_extremes* scan_host = nullptr;    // pinned
-    std::vector<std::pair<std::size_t, std::size_t>> carved;  // [offset, end) of options.workspace in use, by offset
+    detail::caller_workspace caller_buffer;  // over options.workspace, when given
 
-    state(cudaStream_t s, cuda_backend_options opt) : stream(s), options(opt) {
+    state(cudaStream_t s, cuda_backend_options opt)
+        : stream(s), options(opt), caller_buffer(opt.workspace, opt.workspace_bytes) {
       // Before any CUDA call: a bad option set raises on any machine.
       detail::expects(!options.allocate == !options.deallocate,
                       "cuda_backend_options: allocate and deallocate go together (allocate ",
                       options.allocate ? "set" : "null", ", deallocate ", options.deallocate ? "set" : "null", ")");
       detail::expects(!(options.allocate && options.workspace),
                       "cuda_backend_options: workspace and allocate are two sources of the scratch; give one");
+      detail::expects(reinterpret_cast<std::uintptr_t>(options.workspace) % detail::workspace_alignment == 0,
+                      "cuda_backend_options::workspace ", options.workspace, " is not aligned to ",
+                      detail::workspace_alignment, " bytes");
       try {
+        LCE_CUDA_TRY(cudaGetDevice(&device));
         LCE_CUBLAS_TRY(cublasCreate(&handle));
         LCE_CUBLAS_TRY(cublasSetStream(handle, stream));
         // No split-K reductions in reduced precision: fp32 accumulation, whole.
@@ -389,32 +410,6 @@ class cuda_backend : public detail::cuda_plan_traits {
       handle = nullptr;
       scan_result = nullptr;
       scan_host = nullptr;
-    }
-
-    // The caller's buffer, first fit: the operator holds at most two blocks
-    // (the sweep's scratch and a 2-byte grad_weight's accumulator) and
-    // regrows one while the other lives. 64-byte alignment, as the
-    // operator's own plan (workspace_bytes counts no more slack than that).
-    void* carve(std::size_t bytes) {
-      constexpr std::size_t align = detail::workspace_alignment;
-      std::size_t at = 0;
-      auto next = carved.begin();
-      for (; next != carved.end(); ++next) {
-        if (next->first >= at && next->first - at >= bytes) break;
-        at = (next->second + align - 1) / align * align;
-      }
-      if (at > options.workspace_bytes || bytes > options.workspace_bytes - at) throw std::bad_alloc();
-      carved.insert(next, {at, at + bytes});
-      return static_cast<char*>(options.workspace) + at;
-    }
-    void give_back(void* pointer) noexcept {
-      const auto offset = static_cast<std::size_t>(static_cast<char*>(pointer) - static_cast<char*>(options.workspace));
-      for (auto block = carved.begin(); block != carved.end(); ++block) {
-        if (block->first == offset) {
-          carved.erase(block);
-          return;
-        }
-      }
     }
   };
 

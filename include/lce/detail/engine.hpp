@@ -947,12 +947,15 @@ class engine {
                                              std::int64_t vocab_local, int slots = 0) const {
     // The vocabulary order hands the backend one vocabulary tile at a time (its dW tiles grow with the
     // shard); with token slices, the tile's accumulator.
+    // Whole cache lines, as the plan's blocks: a caller's buffer of workspace_bytes then holds
+    // the two blocks in either order (see cuda/detail/caller_workspace.hpp).
     if (gradient.vocab_tile > 0) vocab_local = gradient.vocab_tile;
     if (gradient.tiles_into_grad_weight)
-      return checked_size::of(static_cast<std::int64_t>(
-                 weight_gradient_tile_elements<G>(hidden, vocab_local, gradient.plan.block_rows))) *
-             (slots > 0 ? static_cast<std::size_t>(slots) : weight_gradient_tile_slots<G>()) * sizeof(Compute);
-    return checked_size::of(vocab_local) * checked_size::of(hidden) * sizeof(Compute);
+      return align_up(checked_size::of(static_cast<std::int64_t>(
+                          weight_gradient_tile_elements<G>(hidden, vocab_local, gradient.plan.block_rows))) *
+                      (slots > 0 ? static_cast<std::size_t>(slots) : weight_gradient_tile_slots<G>()) *
+                      sizeof(Compute));
+    return align_up(checked_size::of(vocab_local) * checked_size::of(hidden) * sizeof(Compute));
   }
 
   // Where dW goes: grad_weight itself when it has the compute type; else

@@ -160,14 +160,14 @@ LCE_KERNEL void mean_centred_logits_kernel(mean_centred_logit_args<A, I> args) {
 // one tile of columns of one row per block (grid-strided over the tiles).
 // FromExp: the block holds exp(z - max) (keep_exp), dz = -g exp(max - lse) e.
 template <class A, class I, class Out, bool WithEntropy, bool SoftCap, bool FromExp>
-LCE_KERNEL void logit_gradient_kernel(gradient_args<A, I, Out> args, Out* out, std::int64_t tiles_per_row,
-                                      std::int64_t tiles) {
+LCE_KERNEL void logit_gradient_kernel(gradient_args<A, I, Out> args, Out* out, std::int64_t out_ld,
+                                      std::int64_t tiles_per_row, std::int64_t tiles) {
   const std::int64_t cols = args.logits.cols;
   for (std::int64_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const std::int64_t r = tile / tiles_per_row;
     const std::int64_t first = (tile % tiles_per_row) * cuda_launch::tile_elements;
     const A* const row = args.logits.data + r * args.logits.ld;
-    Out* const out_row = out + r * args.logits.ld;
+    Out* const out_row = out + r * out_ld;
     const auto id = static_cast<std::int64_t>(args.targets.data[r]);
     const A g = args.grad_logprobs[r];
     const A h = WithEntropy ? args.grad_entropy[r] : A(0);
@@ -213,7 +213,8 @@ LCE_KERNEL void logit_gradient_kernel(gradient_args<A, I, Out> args, Out* out, s
 // into an operand block, the column's dz is recomputed from the logits (still
 // there) and rounded once.
 template <class A, class I, class Out, bool WithEntropy, bool SoftCap>
-LCE_KERNEL void target_set_gradient_kernel(gradient_args<A, I, Out> args, Out* out, std::int64_t rows) {
+LCE_KERNEL void target_set_gradient_kernel(gradient_args<A, I, Out> args, Out* out, std::int64_t out_ld,
+                                           std::int64_t rows) {
   const std::int64_t item = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (item >= rows * args.set_size) return;
   const std::int64_t r = item / args.set_size, k = item % args.set_size;
@@ -227,7 +228,7 @@ LCE_KERNEL void target_set_gradient_kernel(gradient_args<A, I, Out> args, Out* o
   for (std::int64_t e = k; e < args.set_size; ++e)
     if (ids[e] == ids[k]) sum += args.set_grads[r * args.set_size + e];
   const A slope = SoftCap ? soft_cap_slope(args.set_logits[item], args.soft_cap) : A(1);
-  Out* const at = out + r * args.logits.ld + column;
+  Out* const at = out + r * out_ld + column;
   if (static_cast<const void*>(out) == static_cast<const void*>(args.logits.data)) {
     *at = convert<Out>(convert<A>(*at) + sum * slope);
     return;
