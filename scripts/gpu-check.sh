@@ -51,7 +51,7 @@ fi
 
 if [ "${LCE_GPU_CHECK_TORCH:-0}" = 1 ]; then
   echo "== lce_torch on CUDA (tests/test_cuda.py, tests/test_cuda_distributed.py) =="
-  LCE_TORCH_CUDA=1 LCE_TORCH_TESTS="test_cuda.py test_cuda_distributed.py" MAX_JOBS=$(nproc) "$root/scripts/test-torch.sh"
+  LCE_TORCH_CUDA=1 LCE_TORCH_REQUIRE_CUDA=1 LCE_TORCH_TESTS="test_cuda.py test_cuda_distributed.py" MAX_JOBS=$(nproc) "$root/scripts/test-torch.sh"
   echo "== lce_torch against PyTorch on the GPU (bench/torch_op_bench.py --device cuda) =="
   "${LCE_TORCH_VENV:-$root/build/torch-venv}/bin/python" "$root/bench/torch_op_bench.py" --device cuda \
     --hidden 4096 --vocab 128256 --tokens 8192 --dtypes bfloat16 --variants plain,torch_chunked,lce,lce_2sweep \

@@ -63,6 +63,7 @@ mkdir -p "$root/build" && cd "$root/build"
 tests=()
 for t in ${LCE_TORCH_TESTS:-}; do tests+=("$root/integrations/torch/tests/$t"); done
 [ ${#tests[@]} -eq 0 ] && tests=("$root/integrations/torch/tests")
-"$py" -m pytest -q -p no:cacheprovider -c "$root/integrations/torch/pyproject.toml" \
+# -rs: why each skipped test was skipped (here: the CUDA ones, for want of a device).
+"$py" -m pytest -q -rs -p no:cacheprovider -c "$root/integrations/torch/pyproject.toml" \
   --rootdir "$root/integrations/torch" "${tests[@]}"
 echo "PASS: lce_torch (PyTorch $("$py" -c 'import torch; print(torch.__version__)'))"

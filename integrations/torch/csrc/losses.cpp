@@ -26,11 +26,13 @@
 // targets, cu_seqlens and pairs are int32 or int64 (read as int64: one
 // instantiation of each loss per float dtype keeps the build short).
 
+#include "op_tags.hpp"
 #include "process_group_comm.hpp"
 
 #include <lce/loss/losses.hpp>
 
 #include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -482,6 +484,11 @@ void losses_via_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     device = t.device();
     value = t.cpu();
   }
+  // Kernels get no device guard of their own, and a group without a CPU
+  // backend (NCCL) stages its host values on the current device: make it the
+  // inputs' device, where the rank's other collectives run.
+  std::optional<c10::DeviceGuard> on_inputs_device;
+  if (device) on_inputs_device.emplace(*device);
   op.redispatchBoxed(c10::DispatchKeySet(c10::DispatchKey::CPU), stack);
   const std::size_t returns = op.schema().returns().size();
   for (std::size_t i = stack->size() - returns; device && i < stack->size(); ++i) {
@@ -496,29 +503,35 @@ void losses_via_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 // A fragment of the `lce` library that register.cpp defines (TORCH_LIBRARY may
 // appear once per namespace).
 TORCH_LIBRARY_FRAGMENT(lce, m) {
-  m.def("next_token_targets(Tensor token_ids, Tensor? cu_seqlens=None, *, int ignore_index=-100) -> Tensor");
+  m.def("next_token_targets(Tensor token_ids, Tensor? cu_seqlens=None, *, int ignore_index=-100) -> Tensor",
+        lce_torch::op_tags());
   m.def("sequence_logprobs(Tensor logprobs, Tensor? targets=None, Tensor? cu_seqlens=None, Tensor? weights=None, *, "
-        "int ignore_index=-100, bool length_average=False) -> (Tensor seq_logprobs, Tensor seq_tokens)");
+        "int ignore_index=-100, bool length_average=False) -> (Tensor seq_logprobs, Tensor seq_tokens)",
+        lce_torch::op_tags());
   m.def("sft_loss(Tensor logprobs, Tensor? targets=None, Tensor? cu_seqlens=None, Tensor? weights=None, "
         "Tensor? lse=None, Tensor? mean_logit=None, *, int ignore_index=-100, str reduction='token_mean', "
         "float label_smoothing=0.0, float? normaliser=None, str? group_name=None) "
-        "-> (Tensor loss, Tensor grad_logprobs, Tensor grad_lse, Tensor grad_mean_logit, Tensor metrics)");
+        "-> (Tensor loss, Tensor grad_logprobs, Tensor grad_lse, Tensor grad_mean_logit, Tensor metrics)",
+        lce_torch::op_tags());
   m.def("dpo_loss(Tensor logprobs, Tensor ref_seq_logprobs, Tensor? targets=None, Tensor? cu_seqlens=None, "
         "Tensor? weights=None, Tensor? pairs=None, *, int ignore_index=-100, float beta=0.1, float sft_coef=0.0, "
         "bool length_average=False, float? normaliser=None, str? group_name=None) "
         "-> (Tensor loss, Tensor grad_logprobs, Tensor seq_logprobs, Tensor seq_grad, Tensor seq_tokens, "
-        "Tensor metrics)");
+        "Tensor metrics)",
+        lce_torch::op_tags());
   m.def("policy_gradient_loss(Tensor logprobs, Tensor advantages, Tensor? old_logprobs=None, "
         "Tensor? ref_logprobs=None, Tensor? generation_logprobs=None, Tensor? entropy=None, Tensor? targets=None, "
         "Tensor? cu_seqlens=None, Tensor? weights=None, *, int ignore_index=-100, str reduction='token_mean', "
         "float eps_low=0.2, float eps_high=0.2, float dual_clip=0.0, float kl_coef=0.0, str kl='k3', "
         "float tis_cap=0.0, float entropy_coef=0.0, bool sequence_advantages=False, float? normaliser=None, "
         "str? group_name=None) "
-        "-> (Tensor loss, Tensor grad_logprobs, Tensor grad_entropy, Tensor seq_tokens, Tensor metrics)");
+        "-> (Tensor loss, Tensor grad_logprobs, Tensor grad_entropy, Tensor seq_tokens, Tensor metrics)",
+        lce_torch::op_tags());
   m.def("distill_loss(Tensor student_logprobs, Tensor teacher_logprobs, Tensor ids, Tensor? targets=None, "
         "Tensor? cu_seqlens=None, Tensor? weights=None, *, int ignore_index=-100, str reduction='token_mean', "
         "str tail='bucket', float? normaliser=None, str? group_name=None) "
-        "-> (Tensor loss, Tensor grad_logprobs, Tensor seq_kl, Tensor seq_tokens, Tensor metrics)");
+        "-> (Tensor loss, Tensor grad_logprobs, Tensor seq_kl, Tensor seq_tokens, Tensor metrics)",
+        lce_torch::op_tags());
 }
 
 TORCH_LIBRARY_IMPL(lce, CPU, m) {

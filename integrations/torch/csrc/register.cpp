@@ -22,6 +22,7 @@
 // group_name (a torch.distributed group's name; None: one rank).
 
 #include "kernels.hpp"
+#include "op_tags.hpp"
 #include "process_group_comm.hpp"
 #include "torch_gemm.hpp"
 
@@ -264,19 +265,24 @@ void impl_ops(torch::Library& m) {
 TORCH_LIBRARY(lce, m) {
   m.def("logprobs(Tensor hidden, Tensor weight, Tensor targets, *, bool with_entropy=False, "
         "bool with_mean_logit=False, " LCE_TORCH_OPTIONS
-        ") -> (Tensor logprobs, Tensor lse, Tensor entropy, Tensor mean_logit)");
+        ") -> (Tensor logprobs, Tensor lse, Tensor entropy, Tensor mean_logit)",
+        lce_torch::op_tags());
   m.def("logprobs_backward(Tensor grad_logprobs, Tensor? grad_entropy, Tensor hidden, Tensor weight, "
         "Tensor targets, Tensor lse, Tensor? grad_lse=None, Tensor? grad_mean_logit=None, *, " LCE_TORCH_OPTIONS
-        ") -> (Tensor grad_hidden, Tensor grad_weight)");
+        ") -> (Tensor grad_hidden, Tensor grad_weight)",
+        lce_torch::op_tags());
   m.def("logprobs_forward_backward(Tensor hidden, Tensor weight, Tensor targets, Tensor grad_logprobs, "
         "Tensor? grad_lse=None, Tensor? grad_mean_logit=None, *, bool with_mean_logit=False, " LCE_TORCH_OPTIONS
-        ") -> (Tensor logprobs, Tensor grad_hidden, Tensor grad_weight, Tensor lse, Tensor mean_logit)");
+        ") -> (Tensor logprobs, Tensor grad_hidden, Tensor grad_weight, Tensor lse, Tensor mean_logit)",
+        lce_torch::op_tags());
   m.def("target_set_logprobs(Tensor hidden, Tensor weight, Tensor ids, *, bool with_entropy=False, "
         "bool with_mean_logit=False, " LCE_TORCH_OPTIONS
-        ") -> (Tensor logprobs, Tensor lse, Tensor entropy, Tensor mean_logit)");
+        ") -> (Tensor logprobs, Tensor lse, Tensor entropy, Tensor mean_logit)",
+        lce_torch::op_tags());
   m.def("target_set_logprobs_backward(Tensor grad_logprobs, Tensor? grad_entropy, Tensor hidden, Tensor weight, "
         "Tensor ids, Tensor lse, Tensor? grad_lse=None, Tensor? grad_mean_logit=None, *, " LCE_TORCH_OPTIONS
-        ") -> (Tensor grad_hidden, Tensor grad_weight)");
+        ") -> (Tensor grad_hidden, Tensor grad_weight)",
+        lce_torch::op_tags());
   m.def("blas_info() -> str", &lce_torch::blas_info_line);
   m.def("set_keep_workspace(bool keep) -> ()", &lce_torch::set_keep_workspace);
   m.def("built_with_cuda() -> bool", [] { return static_cast<bool>(LCE_TORCH_WITH_CUDA); });

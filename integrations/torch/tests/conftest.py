@@ -14,6 +14,16 @@ import torch  # noqa: E402
 import lce_torch  # noqa: E402,F401
 
 
+def pytest_configure(config):
+    # scripts/gpu-check.sh sets LCE_TORCH_REQUIRE_CUDA=1: there, CUDA tests skipped for want
+    # of a device or of a CUDA build would be a GPU check that checked nothing.
+    if os.environ.get("LCE_TORCH_REQUIRE_CUDA") == "1":
+        if not torch.cuda.is_available():
+            raise pytest.UsageError("LCE_TORCH_REQUIRE_CUDA=1, but torch finds no CUDA device")
+        if not lce_torch.built_with_cuda():
+            raise pytest.UsageError("LCE_TORCH_REQUIRE_CUDA=1, but this lce_torch was built without CUDA")
+
+
 def reference(hidden, weight, targets, *, vocab_start=0, ignore_index=-100, temperature=1.0, softcap=0.0):
     """Materialised float64 reference: logprobs, lse, entropy (0 where ignored), differentiable."""
     # lce's options hold temperature and softcap as float32.

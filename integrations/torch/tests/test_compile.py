@@ -45,3 +45,17 @@ def test_compile_dynamic_shapes():
         hr = h.clone().requires_grad_(True)
         loss_fn(hr, w, y).backward()
         torch.testing.assert_close(hh.grad, hr.grad, atol=1e-6, rtol=1e-5)
+
+
+def test_every_tensor_op_is_left_out_of_cuda_graphs():
+    # On CUDA a call synchronises its stream (the targets' check) and a first call creates a
+    # cuBLAS handle: inductor's CUDA graphs (mode="reduce-overhead") must leave the ops out,
+    # which they do only for ops tagged cudagraph_unsafe.
+    import torch._C
+
+    host_only = {"blas_info", "set_keep_workspace", "built_with_cuda"}
+    names = sorted({s.name.split("::", 1)[1] for s in torch._C._jit_get_all_schemas() if s.name.startswith("lce::")})
+    tensor_ops = [n for n in names if n not in host_only]
+    assert len(tensor_ops) == 11, tensor_ops
+    untagged = [n for n in tensor_ops if torch.Tag.cudagraph_unsafe not in getattr(torch.ops.lce, n).default.tags]
+    assert untagged == []
