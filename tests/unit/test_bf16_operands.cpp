@@ -265,3 +265,56 @@ TEST_CASE("bf16 operands: the vocabulary order (all tokens at once, the vocabula
     CHECK_MESSAGE(diff.empty(), "host{1} vs host{3}: " << diff);
   }
 }
+
+namespace {
+
+// The bf16 GEMM in plain loops, recording each call's output shape.
+struct shape_recording_gemm {
+  static constexpr bool bf16_operands = true;
+  struct call {
+    std::int64_t m, n, k;
+  };
+  std::shared_ptr<std::vector<call>> calls = std::make_shared<std::vector<call>>();
+
+  template <class A>
+  void gemm(lce::transpose ta, lce::transpose tb, std::int64_t m, std::int64_t n, std::int64_t k, A alpha, const A* a,
+            std::int64_t lda, const A* b, std::int64_t ldb, A beta, A* c, std::int64_t ldc) const {
+    lce::detail::gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  }
+  bool bf16_gemm_available() const { return false; }
+  void bf16_gemm(lce::transpose ta, lce::transpose tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
+                 const lce::bfloat16* a, std::int64_t lda, const lce::bfloat16* b, std::int64_t ldb, float beta,
+                 float* c, std::int64_t ldc) const {
+    calls->push_back({m, n, k});  // one thread: the test's host has one
+    loop_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  }
+};
+
+}  // namespace
+
+TEST_CASE("bf16 operands: dX goes to the bf16 GEMM in tiles of at least 512 x 512, and sums as one GEMM") {
+  // AMX-style bf16 GEMMs slow down in small output tiles (host.hpp, output_tiling): a
+  // [600, 1,100] dX takes 2 tiles of 600 x 560, where fp32's 256 x 256 floor makes 8.
+  const std::int64_t rows = 600, cols = 1100, depth = 24;
+  const auto dz_values = random_vector(rows * depth, 7, -1, 1, rounder_for<lce::bfloat16>());
+  const auto w_values = random_vector(depth * cols, 8, -1, 1, rounder_for<lce::bfloat16>());
+  std::vector<lce::bfloat16> dz(dz_values.begin(), dz_values.end()), w(w_values.begin(), w_values.end());
+  std::vector<float> dx(static_cast<std::size_t>(rows * cols), 0.0f), want(dx.size());
+  const shape_recording_gemm provider;
+  lce::basic_host<shape_recording_gemm> host(provider, 1);
+  host.grad_hidden(lce::matrix_view<const lce::bfloat16>{dz.data(), rows, depth},
+                   lce::matrix_view<const lce::bfloat16>{w.data(), depth, cols}, 1.0f,
+                   lce::matrix_view<float>{dx.data(), rows, cols}, nullptr);
+  REQUIRE(!provider.calls->empty());
+  for (const auto& c : *provider.calls) {
+    CAPTURE(c.m);
+    CAPTURE(c.n);
+    CHECK(c.m >= 512);
+    CHECK(c.n >= 512);
+    CHECK(c.k == depth);
+  }
+  CHECK(provider.calls->size() == 2);
+  loop_gemm(lce::transpose::no, lce::transpose::no, rows, cols, depth, 1.0f, dz.data(), depth, w.data(), cols, 0.0f,
+            want.data(), cols);
+  CHECK(dx == want);  // the same sums in the same order, tile by tile
+}

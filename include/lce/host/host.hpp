@@ -204,7 +204,10 @@ class basic_host {
                    A beta = A(0)) {
     if (dx.rows == 0 || dx.cols == 0) return;
     [[maybe_unused]] const provider_scope scope;
-    const output_tiling tiles(dx.rows, dx.cols, tile_target);
+    constexpr std::int64_t floor = output_tiling::bf16_operand_floor;
+    const output_tiling tiles = std::same_as<O, bfloat16>
+                                    ? output_tiling(dx.rows, dx.cols, tile_target, floor, floor)
+                                    : output_tiling(dx.rows, dx.cols, tile_target);
     if constexpr (weight_as_stored<O, T>) {
       for_gemm_tiles(tiles.count(), [&](std::int64_t t) {
         const auto [r0, rows, c0, cols] = tiles.tile(t);
@@ -572,8 +575,14 @@ class basic_host {
   // piece of rows re-reads the operand shared by the rows (cols x k), each
   // piece of columns the rows' operand (rows x k): of the splits that reach
   // the target, the one that reads the least.
+  //
+  // GEMMs on bf16 operands (AMX tiles, MKL's cblas_gemm_bf16bf16f32) want
+  // larger pieces still: dX at depth V, [512, 1,024] and [1,024, 1,024], two
+  // threads each running single-threaded calls, took 753-1,070 GFLOP/s in 2 x 4
+  // tiles and 986-1,288 in two (one thread: 517-569 against 618-736); hence
+  // bf16_operand_floor, 512 x 512.
   struct output_tiling {
-    static constexpr std::int64_t default_target = 8, min_rows = 256, min_cols = 256;
+    static constexpr std::int64_t default_target = 8, min_rows = 256, min_cols = 256, bf16_operand_floor = 512;
     static constexpr std::int64_t max_count = 2 * default_target;  // r pieces x ceil(target / r) < 2 target
     std::int64_t row_tile = 1, col_tile = 1, row_tiles = 0, col_tiles = 0;
 
@@ -581,10 +590,11 @@ class basic_host {
       std::int64_t row, rows, col, cols;
     };
 
-    output_tiling(std::int64_t rows, std::int64_t cols, std::int64_t target = default_target) {
+    output_tiling(std::int64_t rows, std::int64_t cols, std::int64_t target = default_target,
+                  std::int64_t least_rows = min_rows, std::int64_t least_cols = min_cols) {
       if (rows <= 0 || cols <= 0) return;
-      const std::int64_t max_row_pieces = std::max<std::int64_t>(1, rows / min_rows);
-      const std::int64_t max_col_pieces = std::max<std::int64_t>(1, cols / min_cols);
+      const std::int64_t max_row_pieces = std::max<std::int64_t>(1, rows / least_rows);
+      const std::int64_t max_col_pieces = std::max<std::int64_t>(1, cols / least_cols);
       std::int64_t best_rows = 1, best_cols = 1, best_tiles = 0, best_reads = 0;
       for (std::int64_t r = 1; r <= std::min(max_row_pieces, target); ++r) {
         const std::int64_t c = std::min(max_col_pieces, ceil_div(target, r));
