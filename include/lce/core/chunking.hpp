@@ -61,6 +61,11 @@ struct budget_chunk {
   }
 };
 
+namespace detail {
+// Pieces of b that hold a (b > 0): chunks of rows, tiles of a GEMM.
+constexpr std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return a / b + (a % b != 0); }
+}  // namespace detail
+
 // Rows per chunk when `tokens` rows go in chunks of at most `most_rows`: the
 // fewest such chunks, as even as rows allow, ceil(tokens / ceil(tokens /
 // most_rows)). A short last chunk would cost a whole pass over dW's
@@ -68,8 +73,7 @@ struct budget_chunk {
 // an evened size gives it back), so ranks that exchange evened sizes agree.
 constexpr std::int64_t evened_chunk_rows(std::int64_t tokens, std::int64_t most_rows) {
   if (tokens <= 0 || most_rows <= 0) return most_rows;
-  const auto ceil_div = [](std::int64_t a, std::int64_t b) { return a / b + (a % b != 0); };
-  return ceil_div(tokens, ceil_div(tokens, most_rows));
+  return detail::ceil_div(tokens, detail::ceil_div(tokens, most_rows));
 }
 static_assert(evened_chunk_rows(1100, 1024) == 550 && evened_chunk_rows(13, 4) == 4 &&
               evened_chunk_rows(9, 4) == 3 && evened_chunk_rows(3, 4) == 3);

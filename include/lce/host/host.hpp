@@ -17,6 +17,7 @@
 // scratch are cut from the shapes alone.
 
 #include <lce/core/backend.hpp>
+#include <lce/core/chunking.hpp>
 #include <lce/core/config.hpp>
 #include <lce/core/dtypes.hpp>
 #include <lce/core/error.hpp>
@@ -171,7 +172,7 @@ class basic_host {
     [[maybe_unused]] const provider_scope scope;
     if constexpr (weight_as_stored<O, T>) {
       const std::int64_t tile = vocab_tile_rows<compute_t<T>>(w.cols, w.rows);
-      for_gemm_tiles(ceil_div(w.rows, tile), [&](std::int64_t t) {
+      for_gemm_tiles(detail::ceil_div(w.rows, tile), [&](std::int64_t t) {
         const std::int64_t first = t * tile, rows = std::min(tile, w.rows - first);
         operand_gemm(transpose::no, transpose::yes, x.rows, rows, x.cols, alpha, x.data, x.ld, w.row(first), w.ld,
                      A(0), out.data + first, out.ld);
@@ -233,7 +234,7 @@ class basic_host {
   void grad_weight(matrix_view<const O> dz, matrix_view<const O> x, A alpha, matrix_view<A> dw) {
     const std::int64_t tile = vocab_tile_rows<A>(x.cols, dz.cols);
     [[maybe_unused]] const provider_scope scope;
-    for_gemm_tiles(ceil_div(dz.cols, tile), [&](std::int64_t t) {
+    for_gemm_tiles(detail::ceil_div(dz.cols, tile), [&](std::int64_t t) {
       const std::int64_t first = t * tile, rows = std::min(tile, dz.cols - first);
       operand_gemm(transpose::yes, transpose::no, rows, x.cols, dz.rows, alpha, dz.data + first, dz.ld, x.data, x.ld,
                    A(1), dw.row(first), dw.ld);
@@ -260,7 +261,7 @@ class basic_host {
   void grad_weight(matrix_view<const O> dz, matrix_view<const O> x, A alpha, matrix_view<G> dw, A* scratch) {
     const std::int64_t tile = rounded_tile_rows<A>(x.cols, dz.cols, dz.rows), h = x.cols;
     [[maybe_unused]] const provider_scope scope;
-    for_gemm_tiles_by_worker(ceil_div(dz.cols, tile), [&](std::int64_t t, int worker) {
+    for_gemm_tiles_by_worker(detail::ceil_div(dz.cols, tile), [&](std::int64_t t, int worker) {
       const std::int64_t first = t * tile, rows = std::min(tile, dz.cols - first);
       A* sum = scratch + static_cast<std::int64_t>(worker) * tile * h;
       operand_gemm(transpose::yes, transpose::no, rows, h, dz.rows, alpha, dz.data + first, dz.ld, x.data, x.ld,
@@ -278,7 +279,7 @@ class basic_host {
                    matrix_view<G> round_into) {
     const std::int64_t tile = rounded_tile_rows<A>(x.cols, dz.cols, dz.rows), h = x.cols;
     [[maybe_unused]] const provider_scope scope;
-    for_gemm_tiles(ceil_div(dz.cols, tile), [&](std::int64_t t) {
+    for_gemm_tiles(detail::ceil_div(dz.cols, tile), [&](std::int64_t t) {
       const std::int64_t first = t * tile, rows = std::min(tile, dz.cols - first);
       operand_gemm(transpose::yes, transpose::no, rows, h, dz.rows, alpha, dz.data + first, dz.ld, x.data, x.ld, beta,
                    dw.row(first), dw.ld);
@@ -319,7 +320,7 @@ class basic_host {
   template <class O, class A>
   void column_sums(matrix_view<const O> dz, A alpha, vector_view<A> out) {
     constexpr std::int64_t tile = 512;
-    pool_->parallel_for(ceil_div(dz.cols, tile), 1, [&](std::int64_t begin, std::int64_t end, int) {
+    pool_->parallel_for(detail::ceil_div(dz.cols, tile), 1, [&](std::int64_t begin, std::int64_t end, int) {
       for (std::int64_t t = begin; t < end; ++t) {
         const std::int64_t first = t * tile, cols = std::min(tile, dz.cols - first);
         A sums[tile] = {};
@@ -524,7 +525,6 @@ class basic_host {
   }
 
 
-  static constexpr std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return a / b + (a % b != 0); }
 
   // Vocabulary rows per GEMM tile, from the shapes alone: about 16 tiles to
   // share, but never under 1024 rows (single-threaded BLAS GEMMs only reach
@@ -537,10 +537,10 @@ class basic_host {
   static constexpr std::int64_t vocab_tile_rows(std::int64_t hidden, std::int64_t vocab_local) {
     std::int64_t rows = 0;
     if constexpr (half_precision<T>) {
-      rows = std::clamp<std::int64_t>(ceil_div(vocab_local, 32), 512, 2048);
+      rows = std::clamp<std::int64_t>(detail::ceil_div(vocab_local, 32), 512, 2048);
       rows = std::min(rows, std::max<std::int64_t>(256, (std::int64_t{1} << 20) / std::max<std::int64_t>(hidden, 1)));
     } else {
-      rows = std::clamp<std::int64_t>(ceil_div(vocab_local, 16), 1024, 4096);
+      rows = std::clamp<std::int64_t>(detail::ceil_div(vocab_local, 16), 1024, 4096);
     }
     return std::max<std::int64_t>(1, std::min(rows, vocab_local));
   }
@@ -561,7 +561,7 @@ class basic_host {
     constexpr std::int64_t tile_bytes = std::int64_t{4} << 20;
     const std::int64_t rows = std::max<std::int64_t>(
         16, tile_bytes / static_cast<std::int64_t>(sizeof(A)) / std::max<std::int64_t>(hidden, 1));
-    const std::int64_t share = std::max(ceil_div(vocab_local, 16), std::min(tokens, ceil_div(vocab_local, 4)));
+    const std::int64_t share = std::max(detail::ceil_div(vocab_local, 16), std::min(tokens, detail::ceil_div(vocab_local, 4)));
     return std::max<std::int64_t>(1, std::min(rows, share));
   }
 
@@ -597,16 +597,16 @@ class basic_host {
       const std::int64_t max_col_pieces = std::max<std::int64_t>(1, cols / least_cols);
       std::int64_t best_rows = 1, best_cols = 1, best_tiles = 0, best_reads = 0;
       for (std::int64_t r = 1; r <= std::min(max_row_pieces, target); ++r) {
-        const std::int64_t c = std::min(max_col_pieces, ceil_div(target, r));
+        const std::int64_t c = std::min(max_col_pieces, detail::ceil_div(target, r));
         const std::int64_t tiles = std::min(r * c, target), reads = r * cols + c * rows;
         if (tiles > best_tiles || (tiles == best_tiles && reads < best_reads)) {
           best_rows = r, best_cols = c, best_tiles = tiles, best_reads = reads;
         }
       }
-      row_tile = ceil_div(rows, best_rows);
-      col_tile = std::min(cols, ceil_div(ceil_div(cols, best_cols), 16) * 16);  // whole cache lines
-      row_tiles = ceil_div(rows, row_tile);
-      col_tiles = ceil_div(cols, col_tile);
+      row_tile = detail::ceil_div(rows, best_rows);
+      col_tile = std::min(cols, detail::ceil_div(detail::ceil_div(cols, best_cols), 16) * 16);  // whole cache lines
+      row_tiles = detail::ceil_div(rows, row_tile);
+      col_tiles = detail::ceil_div(cols, col_tile);
       last_row_ = rows, last_col_ = cols;
     }
 
@@ -638,7 +638,7 @@ class basic_host {
     const std::int64_t block_rows = std::min(x.rows, capacity / std::max<std::int64_t>(x.cols, 1));
     if (block_rows < 1) return false;
     auto* const xb = static_cast<bfloat16*>(scratch);
-    const std::int64_t tile = vocab_tile_rows<float>(w.cols, w.rows), tiles = ceil_div(w.rows, tile);
+    const std::int64_t tile = vocab_tile_rows<float>(w.cols, w.rows), tiles = detail::ceil_div(w.rows, tile);
     for (std::int64_t first = 0; first < x.rows; first += block_rows) {
       const std::int64_t rows = std::min(block_rows, x.rows - first);
       std::atomic<bool> inexact{false};
@@ -673,7 +673,7 @@ class basic_host {
     const std::int64_t piece = std::max<std::int64_t>(1, (std::int64_t{1} << 16) / tile);
     auto* const base = static_cast<bfloat16*>(scratch);
     for_staged_tiles(
-        ceil_div(w.rows, tile), ceil_div(dz.rows, piece), tiles.count(), /*chained=*/true,
+        detail::ceil_div(w.rows, tile), detail::ceil_div(dz.rows, piece), tiles.count(), /*chained=*/true,
         [&](std::int64_t k, std::int64_t p) {
           const std::int64_t v0 = k * tile, cols = std::min(tile, w.rows - v0);
           bfloat16* const hi = base + k % 2 * slot;
@@ -700,11 +700,11 @@ class basic_host {
   // (for_staged_tiles).
   template <class T, class Multiply>
   void for_widened_tiles(matrix_view<const T> w, void* scratch, std::int64_t jobs, bool chained, Multiply&& gemm) {
-    const std::int64_t tile = vocab_tile_rows<T>(w.cols, w.rows), tiles = ceil_div(w.rows, tile);
+    const std::int64_t tile = vocab_tile_rows<T>(w.cols, w.rows), tiles = detail::ceil_div(w.rows, tile);
     const std::int64_t piece = std::max<std::int64_t>(1, (std::int64_t{1} << 16) / std::max<std::int64_t>(w.cols, 1));
     float* const slots[2] = {static_cast<float*>(scratch), static_cast<float*>(scratch) + tile * w.cols};
     for_staged_tiles(
-        tiles, ceil_div(tile, piece), jobs, chained,
+        tiles, detail::ceil_div(tile, piece), jobs, chained,
         [&](std::int64_t k, std::int64_t p) {
           const std::int64_t v0 = k * tile, rows = std::min(tile, w.rows - v0);
           for (std::int64_t r = p * piece; r < std::min(rows, (p + 1) * piece); ++r)

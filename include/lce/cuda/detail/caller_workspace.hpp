@@ -38,7 +38,7 @@ class caller_workspace {
     // Top-down: the gaps from the back, each [end of the block before, start of the next).
     std::size_t gap_end = bytes_;
     for (auto next = blocks_.end(); next != blocks_.begin(); --next) {
-      const std::size_t gap_begin = aligned_up(std::prev(next)->second);
+      const std::size_t gap_begin = align_up(checked_size(std::prev(next)->second)).value;
       if (gap_end >= bytes) {
         const std::size_t at = (gap_end - bytes) / workspace_alignment * workspace_alignment;
         if (at >= gap_begin) return take(next, at, bytes);
@@ -61,9 +61,6 @@ class caller_workspace {
   const std::vector<std::pair<std::size_t, std::size_t>>& blocks() const { return blocks_; }
 
  private:
-  static std::size_t aligned_up(std::size_t offset) {
-    return (offset + workspace_alignment - 1) / workspace_alignment * workspace_alignment;
-  }
   void* take(std::vector<std::pair<std::size_t, std::size_t>>::iterator before, std::size_t at, std::size_t bytes) {
     blocks_.insert(before, {at, at + bytes});
     return base_ + at;
