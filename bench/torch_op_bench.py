@@ -16,8 +16,20 @@ which lce's op follows too), the time of forward + backward (best of --reps afte
 warm-up, the paths interleaved rep by rep; wall (min and median) and process CPU time)
 and the peak extra memory: the growth of the peak RSS
 (VmHWM, reset through /proc/self/clear_refs) over the RSS before the call, less the
-gradients dX and dW every path returns. Large allocations go straight to mmap
-(MALLOC_MMAP_THRESHOLD_, set by re-executing), so freed memory leaves the RSS.
+gradients dX and dW every path returns.
+
+--allocator says what a path's large buffers cost it (glibc's malloc, set through the
+environment by re-executing):
+  fresh  (the default) every buffer over 64 KiB is mapped afresh and given back when freed
+         (MALLOC_MMAP_THRESHOLD_=65536): each call takes its page faults, as a default
+         glibc process does for buffers over 32 MiB (bf16 logits from N x V = 16M up,
+         float32 from 8M), and the peak extra memory is measured.
+  warm   freed memory stays in the heap and is reused (MALLOC_MMAP_MAX_=0, no trimming), and
+         lce keeps its workspace between calls (lce_torch.set_keep_workspace): no path takes
+         page faults for its scratch, as with a caching allocator (PyTorch's on a GPU,
+         jemalloc or tcmalloc preloaded) or buffers under 32 MiB in a default process. This
+         is the arithmetic alone; the RSS keeps the heap's high-water mark, so the peak
+         extra memory is not measured (None in --json, "-" in the table).
 
 --device cuda runs the same on the GPU (lce_torch built with CUDA): the time is the
 wall time with the stream synchronised, and the peak extra memory is
@@ -27,7 +39,7 @@ comes from the same caching allocator, so it is counted), less the gradients;
 
   python bench/torch_op_bench.py [--hidden 1024] [--vocab 32000,128256] [--tokens 1024,8192]
                                  [--threads 1,2] [--dtypes float32,bfloat16] [--reps 1] [--json out.json]
-                                 [--device cpu|cuda]
+                                 [--device cpu|cuda] [--allocator fresh|warm]
 """
 import argparse
 import gc
@@ -40,8 +52,20 @@ import time
 import warnings
 
 _here = os.path.dirname(os.path.abspath(__file__))
+ALLOCATOR_ENV = {
+    "fresh": {"MALLOC_MMAP_THRESHOLD_": "65536"},
+    "warm": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 50), "MALLOC_TOP_PAD_": "0"},
+}
 if not os.environ.get("LCE_BENCH_CHILD"):
-    env = dict(os.environ, LCE_BENCH_CHILD="1", MALLOC_MMAP_THRESHOLD_="65536")
+    allocator = "fresh"
+    for i, arg in enumerate(sys.argv):
+        if arg == "--allocator" and i + 1 < len(sys.argv):
+            allocator = sys.argv[i + 1]
+        elif arg.startswith("--allocator="):
+            allocator = arg.split("=", 1)[1]
+    if allocator not in ALLOCATOR_ENV:
+        raise SystemExit(f"--allocator {allocator!r}: fresh or warm")
+    env = dict(os.environ, LCE_BENCH_CHILD="1", **ALLOCATOR_ENV[allocator])
     if "OPENBLAS_CORETYPE" not in env:
         script = os.path.join(_here, "..", "scripts", "blas-coretype.sh")
         try:
@@ -94,7 +118,7 @@ def variant(name):
     raise SystemExit(f"unknown variant {name!r}: any of {','.join(VARIANTS)}, lce_chunk<R>, lce_<M>mib")
 
 
-def run_once(fn, x, w, y):
+def run_once(fn, x, w, y, measure_memory=True):
     x.grad = w.grad = None
     gc.collect()
     cuda = x.is_cuda
@@ -116,7 +140,7 @@ def run_once(fn, x, w, y):
     peak = (torch.cuda.max_memory_allocated() if cuda else rss_kb("VmHWM") * 1024) - before
     grads = x.grad.numel() * x.grad.element_size() + w.grad.numel() * w.grad.element_size()
     notes = sorted({str(c.message).split("\n")[0][:120] for c in caught})
-    return float(loss.detach()), wall, cpu, peak - grads, notes
+    return float(loss.detach()), wall, cpu, (peak - grads) if measure_memory else None, notes
 
 
 def main():
@@ -131,7 +155,12 @@ def main():
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--json", default="")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--allocator", default="fresh", choices=list(ALLOCATOR_ENV),
+                   help="fresh: every large buffer mapped afresh (page faults; memory measured); "
+                        "warm: buffers reused, lce keeps its workspace (no page faults; memory not measured)")
     args = p.parse_args()
+    warm = args.allocator == "warm" and args.device == "cpu"
+    lce_torch.set_keep_workspace(warm)
     if args.device == "cuda":
         if not (torch.cuda.is_available() and lce_torch.built_with_cuda()):
             raise SystemExit("--device cuda: needs a CUDA device and lce_torch built with CUDA "
@@ -148,10 +177,11 @@ def main():
         "tokens": [int(n) for n in args.tokens.split(",")],
         "hidden": args.hidden,
         "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+        "allocator": args.allocator if args.device == "cpu" else "cuda caching allocator",
     }
     print(f"torch {info['torch']}; {info['blas']}; device {info['device']}")
     print(f"N = {args.tokens} tokens, H = {args.hidden}; best of {args.reps} interleaved after a warm-up; "
-          f"load average at start {info['load_average'][0]:.1f}")
+          f"load average at start {info['load_average'][0]:.1f}; allocator {info['allocator']}")
     results = []
     header = (f"| dtype | V | N | threads | path | fwd+bwd wall s (min) | median | CPU s | peak extra MiB | loss |")
     print(header)
@@ -176,7 +206,7 @@ def main():
                 runs = {name: [] for name in names}
                 for _ in range(args.reps):
                     for name in names:
-                        runs[name].append(run_once(paths[name], x, w, y))
+                        runs[name].append(run_once(paths[name], x, w, y, measure_memory=not warm))
                 for name in names:
                     loss, wall, cpu, extra, notes = min(runs[name], key=lambda r: r[1])
                     median = statistics.median(r[1] for r in runs[name])
@@ -185,8 +215,9 @@ def main():
                                loss=loss, notes=notes)
                     results.append(row)
                     note = f" ({'; '.join(notes)})" if notes else ""
+                    memory = "-" if extra is None else f"{extra / 2**20:.0f}"
                     print(f"| {dtype_name} | {v} | {tokens} | {threads} | {name} | {wall:.3f} | {median:.3f} | {cpu:.3f} | "
-                          f"{extra / 2**20:.0f} | {loss:.4f} |{note}", flush=True)
+                          f"{memory} | {loss:.4f} |{note}", flush=True)
             del x, w, y, small
             gc.collect()
     if args.json:

@@ -31,7 +31,9 @@ def table(results):
             if c is None:
                 shown.append("")
                 continue
-            text = f"{c['wall_s']:.2f} s, {c['peak_extra_bytes'] / 2**20:.0f} MiB"
+            text = f"{c['wall_s']:.2f} s"
+            if c["peak_extra_bytes"] is not None:
+                text += f", {c['peak_extra_bytes'] / 2**20:.0f} MiB"
             shown.append(f"**{text}**" if c["wall_s"] == fastest else text)
         lce, plain = cells.get("lce"), cells.get("plain")
         ratio = memory = ""
@@ -39,7 +41,8 @@ def table(results):
             ratio = f"{lce['wall_s'] / plain['wall_s']:.2f}"
             if "median_wall_s" in lce and "median_wall_s" in plain:
                 ratio += f"; {lce['median_wall_s'] / plain['median_wall_s']:.2f}"
-            memory = f"{plain['peak_extra_bytes'] / max(lce['peak_extra_bytes'], 1):.1f}x"
+            if plain["peak_extra_bytes"] is not None and lce["peak_extra_bytes"] is not None:
+                memory = f"{plain['peak_extra_bytes'] / max(lce['peak_extra_bytes'], 1):.1f}x"
         lines.append(f"| {dtype} | {v:,} | {n:,} | {threads} | " + " | ".join(shown) + f" | {ratio} | {memory} |")
     return "\n".join(lines)
 
@@ -48,7 +51,8 @@ def main():
     for path in sys.argv[1:]:
         with open(path) as f:
             data = json.load(f)
-        print(f"<!-- {path}: {data['info'].get('blas', '')[:80]}... -->")
+        allocator = data["info"].get("allocator", "fresh")
+        print(f"<!-- {path}: allocator {allocator}; {data['info'].get('blas', '')[:80]}... -->")
         print(table(data["results"]))
         print()
 
