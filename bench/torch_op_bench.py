@@ -27,9 +27,11 @@ environment by re-executing):
   warm   freed memory stays in the heap and is reused (MALLOC_MMAP_MAX_=0, no trimming), and
          lce keeps its workspace between calls (lce_torch.set_keep_workspace): no path takes
          page faults for its scratch, as with a caching allocator (PyTorch's on a GPU,
-         jemalloc or tcmalloc preloaded) or buffers under 32 MiB in a default process. This
-         is the arithmetic alone; the RSS keeps the heap's high-water mark, so the peak
-         extra memory is not measured (None in --json, "-" in the table).
+         jemalloc or tcmalloc preloaded) or buffers under 32 MiB in a default process. Two
+         untimed full-size rounds of every path grow the heap first. This is the arithmetic
+         alone (the page-fault column should read about 0); the RSS keeps the heap's
+         high-water mark, so the peak extra memory is not measured (None in --json, "-").
+Each row also gives the minor page faults of its fastest call.
 
 --device cuda runs the same on the GPU (lce_torch built with CUDA): the time is the
 wall time with the stream synchronised, and the peak extra memory is
@@ -45,6 +47,7 @@ import argparse
 import gc
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -129,6 +132,7 @@ def run_once(fn, x, w, y, measure_memory=True):
     else:
         reset_peak()
         before = rss_kb("VmRSS") * 1024
+    faults0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t0, c0 = time.perf_counter(), time.process_time()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -137,10 +141,11 @@ def run_once(fn, x, w, y, measure_memory=True):
     if cuda:
         torch.cuda.synchronize()
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults0
     peak = (torch.cuda.max_memory_allocated() if cuda else rss_kb("VmHWM") * 1024) - before
     grads = x.grad.numel() * x.grad.element_size() + w.grad.numel() * w.grad.element_size()
     notes = sorted({str(c.message).split("\n")[0][:120] for c in caught})
-    return float(loss.detach()), wall, cpu, (peak - grads) if measure_memory else None, notes
+    return float(loss.detach()), wall, cpu, (peak - grads) if measure_memory else None, faults, notes
 
 
 def main():
@@ -183,9 +188,10 @@ def main():
     print(f"N = {args.tokens} tokens, H = {args.hidden}; best of {args.reps} interleaved after a warm-up; "
           f"load average at start {info['load_average'][0]:.1f}; allocator {info['allocator']}")
     results = []
-    header = (f"| dtype | V | N | threads | path | fwd+bwd wall s (min) | median | CPU s | peak extra MiB | loss |")
+    header = ("| dtype | V | N | threads | path | fwd+bwd wall s (min) | median | CPU s | peak extra MiB | "
+              "page faults | loss |")
     print(header)
-    print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---|---:|---:|---:|---:|---:|---:|")
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
         for v, tokens in [(int(v), int(n)) for v in args.vocab.split(",") for n in args.tokens.split(",")]:
@@ -201,6 +207,12 @@ def main():
                 names = list(paths)
                 for name in names:
                     run_once(paths[name], *small)  # warm-up: lazy initialisation, thread pools
+                if warm:
+                    # The heap grows to hold every path's full-size buffers (and lce keeps its
+                    # workspace) before anything is timed: two rounds, as freed blocks settle.
+                    for _ in range(2):
+                        for name in names:
+                            run_once(paths[name], x, w, y, measure_memory=False)
                 # Interleaved (plain, ..., lce, plain, ...): a slow spell of a shared machine
                 # lands on every path, not on one path's block of repetitions.
                 runs = {name: [] for name in names}
@@ -208,16 +220,17 @@ def main():
                     for name in names:
                         runs[name].append(run_once(paths[name], x, w, y, measure_memory=not warm))
                 for name in names:
-                    loss, wall, cpu, extra, notes = min(runs[name], key=lambda r: r[1])
+                    loss, wall, cpu, extra, faults, notes = min(runs[name], key=lambda r: r[1])
                     median = statistics.median(r[1] for r in runs[name])
                     row = dict(dtype=dtype_name, vocab=v, hidden=args.hidden, tokens=tokens, threads=threads,
                                path=name, wall_s=wall, median_wall_s=median, cpu_s=cpu, peak_extra_bytes=extra,
+                               minor_page_faults=faults,
                                loss=loss, notes=notes)
                     results.append(row)
                     note = f" ({'; '.join(notes)})" if notes else ""
                     memory = "-" if extra is None else f"{extra / 2**20:.0f}"
                     print(f"| {dtype_name} | {v} | {tokens} | {threads} | {name} | {wall:.3f} | {median:.3f} | {cpu:.3f} | "
-                          f"{memory} | {loss:.4f} |{note}", flush=True)
+                          f"{memory} | {faults} | {loss:.4f} |{note}", flush=True)
             del x, w, y, small
             gc.collect()
     if args.json:
