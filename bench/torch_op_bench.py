@@ -31,6 +31,10 @@ environment by re-executing):
          untimed full-size rounds of every path grow the heap first. This is the arithmetic
          alone (the page-fault column should read about 0); the RSS keeps the heap's
          high-water mark, so the peak extra memory is not measured (None in --json, "-").
+  default glibc as it comes, lce as it comes (its workspace given back after each call):
+         what a default process sees in a training loop. Buffers under glibc's dynamic
+         mmap threshold (at most 32 MiB) are reused from the heap, larger ones mapped
+         afresh. The same untimed full-size rounds first; memory not measured.
 Each row also gives the minor page faults of its fastest call.
 
 --device cuda runs the same on the GPU (lce_torch built with CUDA): the time is the
@@ -41,7 +45,7 @@ comes from the same caching allocator, so it is counted), less the gradients;
 
   python bench/torch_op_bench.py [--hidden 1024] [--vocab 32000,128256] [--tokens 1024,8192]
                                  [--threads 1,2] [--dtypes float32,bfloat16] [--reps 1] [--json out.json]
-                                 [--device cpu|cuda] [--allocator fresh|warm]
+                                 [--device cpu|cuda] [--allocator fresh|warm|default]
 """
 import argparse
 import gc
@@ -58,6 +62,7 @@ _here = os.path.dirname(os.path.abspath(__file__))
 ALLOCATOR_ENV = {
     "fresh": {"MALLOC_MMAP_THRESHOLD_": "65536"},
     "warm": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 50), "MALLOC_TOP_PAD_": "0"},
+    "default": {},
 }
 if not os.environ.get("LCE_BENCH_CHILD"):
     allocator = "fresh"
@@ -67,7 +72,7 @@ if not os.environ.get("LCE_BENCH_CHILD"):
         elif arg.startswith("--allocator="):
             allocator = arg.split("=", 1)[1]
     if allocator not in ALLOCATOR_ENV:
-        raise SystemExit(f"--allocator {allocator!r}: fresh or warm")
+        raise SystemExit(f"--allocator {allocator!r}: fresh, warm or default")
     env = dict(os.environ, LCE_BENCH_CHILD="1", **ALLOCATOR_ENV[allocator])
     if "OPENBLAS_CORETYPE" not in env:
         script = os.path.join(_here, "..", "scripts", "blas-coretype.sh")
@@ -162,10 +167,13 @@ def main():
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--allocator", default="fresh", choices=list(ALLOCATOR_ENV),
                    help="fresh: every large buffer mapped afresh (page faults; memory measured); "
-                        "warm: buffers reused, lce keeps its workspace (no page faults; memory not measured)")
+                        "warm: buffers reused, lce keeps its workspace (no page faults; memory not measured); "
+                        "default: glibc and lce as they come (memory not measured)")
     args = p.parse_args()
-    warm = args.allocator == "warm" and args.device == "cpu"
-    lce_torch.set_keep_workspace(warm)
+    cpu = args.device == "cpu"
+    lce_torch.set_keep_workspace(cpu and args.allocator == "warm")
+    steady = cpu and args.allocator in ("warm", "default")  # full-size warm-up rounds before timing
+    measure_memory = not cpu or args.allocator == "fresh"
     if args.device == "cuda":
         if not (torch.cuda.is_available() and lce_torch.built_with_cuda()):
             raise SystemExit("--device cuda: needs a CUDA device and lce_torch built with CUDA "
@@ -207,9 +215,9 @@ def main():
                 names = list(paths)
                 for name in names:
                     run_once(paths[name], *small)  # warm-up: lazy initialisation, thread pools
-                if warm:
-                    # The heap grows to hold every path's full-size buffers (and lce keeps its
-                    # workspace) before anything is timed: two rounds, as freed blocks settle.
+                if steady:
+                    # The heap grows to hold every path's reused buffers (and lce keeps its
+                    # workspace when warm) before anything is timed: two rounds, as freed blocks settle.
                     for _ in range(2):
                         for name in names:
                             run_once(paths[name], x, w, y, measure_memory=False)
@@ -218,7 +226,7 @@ def main():
                 runs = {name: [] for name in names}
                 for _ in range(args.reps):
                     for name in names:
-                        runs[name].append(run_once(paths[name], x, w, y, measure_memory=not warm))
+                        runs[name].append(run_once(paths[name], x, w, y, measure_memory=measure_memory))
                 for name in names:
                     loss, wall, cpu, extra, faults, notes = min(runs[name], key=lambda r: r[1])
                     median = statistics.median(r[1] for r in runs[name])
