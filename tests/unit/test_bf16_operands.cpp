@@ -17,14 +17,21 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <optional>
+#include <vector>
 
 using namespace lce_test;
 
 namespace {
 
 struct gemm_calls {
+  struct shape {
+    std::int64_t m, n, k;
+  };
   std::atomic<std::int64_t> fp32{0}, bf16{0}, availability_asked{0};
+  std::mutex bf16_shapes_mutex;
+  std::vector<shape> bf16_shapes;  // each bf16 GEMM's output extent and depth
 };
 
 // Row-major C = alpha op(A) op(B) + beta C in plain loops, products and sums in fp32.
@@ -64,6 +71,10 @@ struct loop_bf16_operand_gemm {
                  const lce::bfloat16* a, std::int64_t lda, const lce::bfloat16* b, std::int64_t ldb, float beta,
                  float* c, std::int64_t ldc) const {
     calls->bf16.fetch_add(1);
+    {
+      const std::lock_guard lock(calls->bf16_shapes_mutex);
+      calls->bf16_shapes.push_back({m, n, k});
+    }
     loop_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
 };
@@ -266,32 +277,6 @@ TEST_CASE("bf16 operands: the vocabulary order (all tokens at once, the vocabula
   }
 }
 
-namespace {
-
-// The bf16 GEMM in plain loops, recording each call's output shape.
-struct shape_recording_gemm {
-  static constexpr bool bf16_operands = true;
-  struct call {
-    std::int64_t m, n, k;
-  };
-  std::shared_ptr<std::vector<call>> calls = std::make_shared<std::vector<call>>();
-
-  template <class A>
-  void gemm(lce::transpose ta, lce::transpose tb, std::int64_t m, std::int64_t n, std::int64_t k, A alpha, const A* a,
-            std::int64_t lda, const A* b, std::int64_t ldb, A beta, A* c, std::int64_t ldc) const {
-    lce::detail::gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-  }
-  bool bf16_gemm_available() const { return false; }
-  void bf16_gemm(lce::transpose ta, lce::transpose tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
-                 const lce::bfloat16* a, std::int64_t lda, const lce::bfloat16* b, std::int64_t ldb, float beta,
-                 float* c, std::int64_t ldc) const {
-    calls->push_back({m, n, k});  // one thread: the test's host has one
-    loop_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-  }
-};
-
-}  // namespace
-
 TEST_CASE("bf16 operands: dX goes to the bf16 GEMM in tiles of at least 512 x 512, and sums as one GEMM") {
   // AMX-style bf16 GEMMs slow down in small output tiles (host.hpp, output_tiling): a
   // [600, 1,100] dX takes 2 tiles of 600 x 560, where fp32's 256 x 256 floor makes 8.
@@ -300,20 +285,21 @@ TEST_CASE("bf16 operands: dX goes to the bf16 GEMM in tiles of at least 512 x 51
   const auto w_values = random_vector(depth * cols, 8, -1, 1, rounder_for<lce::bfloat16>());
   std::vector<lce::bfloat16> dz(dz_values.begin(), dz_values.end()), w(w_values.begin(), w_values.end());
   std::vector<float> dx(static_cast<std::size_t>(rows * cols), 0.0f), want(dx.size());
-  const shape_recording_gemm provider;
-  lce::basic_host<shape_recording_gemm> host(provider, 1);
+  const loop_bf16_operand_gemm provider;  // its own call log
+  bf16_operand_host host(provider, 1);
   host.grad_hidden(lce::matrix_view<const lce::bfloat16>{dz.data(), rows, depth},
                    lce::matrix_view<const lce::bfloat16>{w.data(), depth, cols}, 1.0f,
                    lce::matrix_view<float>{dx.data(), rows, cols}, nullptr);
-  REQUIRE(!provider.calls->empty());
-  for (const auto& c : *provider.calls) {
+  const auto& shapes = provider.calls->bf16_shapes;
+  REQUIRE(!shapes.empty());
+  for (const auto& c : shapes) {
     CAPTURE(c.m);
     CAPTURE(c.n);
     CHECK(c.m >= 512);
     CHECK(c.n >= 512);
     CHECK(c.k == depth);
   }
-  CHECK(provider.calls->size() == 2);
+  CHECK(shapes.size() == 2);
   loop_gemm(lce::transpose::no, lce::transpose::no, rows, cols, depth, 1.0f, dz.data(), depth, w.data(), cols, 0.0f,
             want.data(), cols);
   CHECK(dx == want);  // the same sums in the same order, tile by tile

@@ -205,10 +205,10 @@ class basic_host {
                    A beta = A(0)) {
     if (dx.rows == 0 || dx.cols == 0) return;
     [[maybe_unused]] const provider_scope scope;
-    constexpr std::int64_t floor = output_tiling::bf16_operand_floor;
-    const output_tiling tiles = std::same_as<O, bfloat16>
-                                    ? output_tiling(dx.rows, dx.cols, tile_target, floor, floor)
-                                    : output_tiling(dx.rows, dx.cols, tile_target);
+    constexpr bool bf16_dz = std::same_as<O, bfloat16>;
+    const output_tiling tiles(dx.rows, dx.cols, tile_target,
+                              bf16_dz ? output_tiling::bf16_operand_floor : output_tiling::min_rows,
+                              bf16_dz ? output_tiling::bf16_operand_floor : output_tiling::min_cols);
     if constexpr (weight_as_stored<O, T>) {
       for_gemm_tiles(tiles.count(), [&](std::int64_t t) {
         const auto [r0, rows, c0, cols] = tiles.tile(t);
@@ -523,8 +523,6 @@ class basic_host {
     if (target >= 0) row[target] += g * target_slope;
     add_target_set_gradients(args, r, row);
   }
-
-
 
   // Vocabulary rows per GEMM tile, from the shapes alone: about 16 tiles to
   // share, but never under 1024 rows (single-threaded BLAS GEMMs only reach
