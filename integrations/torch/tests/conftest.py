@@ -72,7 +72,7 @@ GRAD_TOL = {
 }
 
 
-# A float64 saved by a child: options read once per process (LCE_TORCH_NO_MKL,
+# A float64 saved by a child: options read once per process (LCE_TORCH_BF16_GEMM,
 # LCE_TORCH_FP32_BLAS) take one child per setting. `script` gets the output path as
 # sys.argv[1] and `args` after it; `env` entries set (or, with None, remove) variables.
 def run_child(script, path, env, *args):

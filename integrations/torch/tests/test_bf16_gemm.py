@@ -1,7 +1,8 @@
-"""bfloat16 GEMMs of lce_torch (csrc/torch_gemm.hpp): MKL's bf16 x bf16 -> fp32 GEMM from
-the libtorch_cpu this process loaded, or, without it, bf16 widened to fp32 for OpenBLAS
-(LCE_TORCH_NO_MKL=1 forces that path). Both give the float64 reference's gradients to
-within dz's rounding to bf16, and each other's to within the outputs' bf16 rounding."""
+"""bfloat16 GEMMs of lce_torch (csrc/torch_gemm.hpp): lce's AMX kernel on a CPU with AMX,
+MKL's bf16 x bf16 -> fp32 GEMM from the libtorch_cpu this process loaded, or bf16 widened
+to fp32 for OpenBLAS (LCE_TORCH_BF16_GEMM=amx|mkl|widen asks for one). Each gives the
+float64 reference's gradients to within dz's rounding to bf16, and the widened path's
+to within the outputs' bf16 rounding."""
 import os
 
 import pytest
@@ -30,8 +31,31 @@ torch.save(dict(info=lce_torch.blas_info(), logp=logp.detach().double(), ent=ent
 PROBLEM = (150, 96, 3000, dict(seed=5, ignore=(4,), scale=2.0))
 
 
-def run_bf16_child(path, no_mkl):
-    return run_child(SCRIPT.format(here=HERE), path, {"LCE_TORCH_NO_MKL": "1" if no_mkl else None})
+HAS_MKL = torch.backends.mkl.is_available() and os.uname().machine == "x86_64"
+
+
+def cpu_has_amx():
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith("flags")), "").split()
+    except OSError:
+        return False
+    return "amx_bf16" in flags and "amx_tile" in flags
+
+
+# What blas_info says for each path.
+MARKS = {"amx": "lce's AMX kernel", "mkl": "cblas_gemm_bf16bf16f32", "widen": "widened to fp32"}
+
+
+def run_bf16_child(path, kernel):
+    return run_child(SCRIPT.format(here=HERE), path, {"LCE_TORCH_BF16_GEMM": kernel})
+
+
+def skip_unless_available(kernel):
+    if kernel == "amx" and not cpu_has_amx():
+        pytest.skip("this CPU has no AMX: lce's AMX kernel does not run here")
+    if kernel == "mkl" and not HAS_MKL:
+        pytest.skip("no MKL in this torch")
 
 
 def reference_gradients():
@@ -46,15 +70,18 @@ def relative_error(a, b):
 def test_blas_info_names_the_bf16_gemm():
     info = lce_torch.blas_info()
     assert "bf16 GEMMs: " in info
-    if torch.backends.mkl.is_available() and os.uname().machine == "x86_64":
+    if cpu_has_amx():
+        assert MARKS["amx"] in info, info
+    elif HAS_MKL:
         # PyTorch's x86 wheels carry MKL inside libtorch_cpu: its bf16 GEMM is the one used.
-        assert "cblas_gemm_bf16bf16f32" in info, info
+        assert MARKS["mkl"] in info, info
 
 
-@pytest.mark.parametrize("no_mkl", [False, True], ids=["mkl", "widened"])
-def test_bf16_gemm_paths_match_the_float64_reference(tmp_path, no_mkl):
-    got = run_bf16_child(str(tmp_path / "out.pt"), no_mkl)
-    assert ("widened to fp32" in got["info"]) == (no_mkl or "cblas_gemm_bf16bf16f32" not in got["info"])
+@pytest.mark.parametrize("kernel", ["amx", "mkl", "widen"])
+def test_bf16_gemm_paths_match_the_float64_reference(tmp_path, kernel):
+    skip_unless_available(kernel)
+    got = run_bf16_child(str(tmp_path / "out.pt"), kernel)
+    assert MARKS[kernel] in got["info"], got["info"]
     rl, rent, rdh, rdw = reference_gradients()
     # Forward: fp32 from exact bf16 products, so to fp32 rounding.
     torch.testing.assert_close(got["logp"], rl, atol=2e-4, rtol=2e-4)
@@ -65,14 +92,14 @@ def test_bf16_gemm_paths_match_the_float64_reference(tmp_path, no_mkl):
     assert relative_error(got["dw"], rdw) < 5e-3
 
 
-def test_mkl_and_widened_paths_agree(tmp_path):
-    if not (torch.backends.mkl.is_available() and os.uname().machine == "x86_64"):
-        pytest.skip("no MKL in this torch: only the widened path exists")
-    mkl = run_bf16_child(str(tmp_path / "mkl.pt"), False)
-    widened = run_bf16_child(str(tmp_path / "widened.pt"), True)
-    assert "cblas_gemm_bf16bf16f32" in mkl["info"] and "widened to fp32" in widened["info"]
+@pytest.mark.parametrize("kernel", ["amx", "mkl"])
+def test_bf16_kernel_and_widened_paths_agree(tmp_path, kernel):
+    skip_unless_available(kernel)
+    fast = run_bf16_child(str(tmp_path / "fast.pt"), kernel)
+    widened = run_bf16_child(str(tmp_path / "widened.pt"), "widen")
+    assert MARKS[kernel] in fast["info"] and MARKS["widen"] in widened["info"]
     # Same products, same dz rounding; only the fp32 summation order differs.
-    torch.testing.assert_close(mkl["logp"], widened["logp"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(fast["logp"], widened["logp"], atol=1e-5, rtol=1e-5)
     for key in ("dh", "dw"):
         scale = float(widened[key].abs().max())
-        torch.testing.assert_close(mkl[key], widened[key], atol=2e-2 * scale, rtol=8e-3)
+        torch.testing.assert_close(fast[key], widened[key], atol=2e-2 * scale, rtol=8e-3)

@@ -1,0 +1,426 @@
+#pragma once
+// A bf16 x bf16 -> fp32 GEMM on Intel's AMX tiles (Sapphire Rapids and later
+// Xeons), single-threaded, for the host backend's GEMM tiles: lce calls one
+// per tile from each of its threads (gemm_provider.hpp).
+//
+// Why lce has its own: the bf16 GEMMs a library user can link do not reach
+// what the tiles allow at lce's shapes. On a 2-core AMX Xeon, at the three
+// GEMMs of a chunk of 512 tokens (H 1,024, V 32,000), MKL's
+// cblas_gemm_bf16bf16f32 ran 103 ms and the oneDNN 3.2 wheel 107 ms on two
+// threads, while PyTorch's own bf16 matmuls (a newer oneDNN inside
+// libtorch_cpu, bf16 out, not callable with an fp32 output) ran 64 ms.
+//
+// Each TDPBF16PS multiplies a 16 x 32 bf16 tile of A by a 32 x 16 tile of B
+// and adds into a 16 x 16 fp32 tile: products of bf16 values are exact in
+// fp32 and every sum is an fp32 sum, as the provider contract asks. The
+// kernel keeps a 32 x 32 block of C in four tiles over the whole depth, then
+// adds it into C once (alpha, beta, masks for ragged edges), so the order of
+// the sums depends on the shapes only.
+//
+// Operand layouts. A tile row must hold 32 consecutive k of one row of A:
+// an A whose k runs along memory (transpose::no) is loaded in place; a
+// transposed A is packed, 32 rows at a time. B must be in the "VNNI" form,
+// pairs (k, k + 1) side by side for each column: a B whose columns run along
+// memory (transpose::no, the weight in dX) has two rows interleaved per
+// pair, a transposed B (the weight in the logits, W[v, h] read as B[h, v])
+// is a 16 x 16 transpose of 32-bit pairs. B is packed 32 or more columns at
+// a time into this thread's scratch, each pair row 64 bytes, so every tile
+// load reads 1 KiB in one piece.
+
+#include <lce/core/config.hpp>
+#include <lce/core/dtypes.hpp>
+#include <lce/host/gemm_provider.hpp>
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && defined(__linux__)
+#define LCE_HAS_AMX_KERNEL 1
+#include <cpuid.h>
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#else
+#define LCE_HAS_AMX_KERNEL 0
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+LCE_BEGIN_NAMESPACE
+namespace detail {
+
+#if LCE_HAS_AMX_KERNEL
+
+// Whether this CPU has AMX-BF16 and AVX-512BW, the OS saves their state, and
+// Linux granted this process the tile data (ARCH_REQ_XCOMP_PERM, asked once:
+// the grant holds for every thread of the process).
+inline bool amx_bf16_gemm_available() {
+  static const bool available = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+    const bool avx512 = (b & (1u << 16)) && (b & (1u << 30)) && (b & (1u << 31));  // F, BW, VL
+    const bool amx = (d & (1u << 22)) && (d & (1u << 24));                     // AMX-BF16, AMX-TILE
+    if (!avx512 || !amx) return false;
+    unsigned lo = 0, hi = 0;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    const std::uint64_t xcr0 = (std::uint64_t{hi} << 32) | lo;
+    constexpr std::uint64_t avx512_state = 0xe6, tile_state = std::uint64_t{3} << 17;
+    if ((xcr0 & avx512_state) != avx512_state || (xcr0 & tile_state) != tile_state) return false;
+    constexpr long request_permission = 0x1023, tile_data = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
+    return syscall(SYS_arch_prctl, request_permission, tile_data) == 0;
+  }();
+  return available;
+}
+
+#define LCE_AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq")))
+
+// GCC 12's AVX-512 intrinsics start from _mm512_undefined_*(), a self-initialised
+// variable that -Wuninitialized reports once they are inlined into a function with a
+// target attribute.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#if !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+namespace amx {
+
+using u16 = std::uint16_t;
+inline constexpr std::int64_t step = 32;           // k per TDPBF16PS
+inline constexpr std::int64_t tile_elements = 512;  // 16 rows x 32 bf16: one packed tile, 1 KiB
+
+// A bf16 matrix by its strides: element (i, j) = data[i * row + j * col].
+struct strided {
+  const u16* data;
+  std::int64_t row, col;
+  const u16* at(std::int64_t i, std::int64_t j) const { return data + i * row + j * col; }
+};
+
+// Tiles 0-3 hold C's 32 x 32 block, 4-5 two 16-row tiles of A, 6-7 two 16-column tiles of B.
+struct alignas(64) tile_config {
+  std::uint8_t palette = 1, start_row = 0, reserved[14] = {};
+  std::uint16_t bytes_per_row[16] = {};
+  std::uint8_t rows[16] = {};
+};
+
+// GCC's _tile_loadconfig names only the first 8 bytes of the configuration as
+// its input, so the compiler may drop the stores to the rest: this asm names all 64.
+LCE_AMX_TARGET inline void load_tile_config() {
+  tile_config config;
+  for (int t = 0; t < 8; ++t) config.bytes_per_row[t] = 64, config.rows[t] = 16;
+  __asm__ volatile("ldtilecfg %0" ::"m"(config));
+}
+
+// GCC's _tile_loadd is an asm that does not say it reads memory: without this
+// barrier the compiler may move the packing's stores past the tile loads.
+inline void packed_stores_done() { __asm__ volatile("" ::: "memory"); }
+
+// 16 x 16 transpose of 32-bit lanes: v[r].lane(c) becomes v[c].lane(r).
+LCE_AMX_TARGET inline void transpose_16x16(__m512i v[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    v[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+    v[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+    v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // Each 128-bit lane of v[i] now holds a 4 x 4 block's row; gather the blocks.
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_i32x4(v[i], v[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_i32x4(v[i], v[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_i32x4(v[i + 8], v[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_i32x4(v[i + 8], v[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+    v[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    v[i + 4] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0x88);
+    v[i + 12] = _mm512_shuffle_i32x4(t[i + 4], t[i + 12], 0xdd);
+  }
+}
+
+// Up to 16 bf16 from p, zeros past `count`.
+LCE_AMX_TARGET inline __m256i load_16(const u16* p, std::int64_t count) {
+  if (count >= 16) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  if (count <= 0) return _mm256_setzero_si256();
+  return _mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << count) - 1), p);
+}
+
+// Up to 32 bf16 from p, zeros past `count`.
+LCE_AMX_TARGET inline __m512i load_32(const u16* p, std::int64_t count) {
+  if (count >= 32) return _mm512_loadu_si512(p);
+  if (count <= 0) return _mm512_setzero_si512();
+  return _mm512_maskz_loadu_epi16((std::uint32_t{1} << count) - 1, p);
+}
+
+// Pairs of rows (r0, r1) of 16 bf16 each as 16 32-bit lanes (r0[c], r1[c]).
+LCE_AMX_TARGET inline __m512i interleave(__m256i r0, __m256i r1) {
+  const __m512i index = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
+                                         21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  return _mm512_permutexvar_epi16(index, _mm512_inserti64x4(_mm512_castsi256_si512(r0), r1, 1));
+}
+
+// One packed tile of B in VNNI form: pair rows p = 0..15 of k = k0 + 2p, 2p + 1, columns
+// n0 .. n0 + 15, zeros outside [0, k) x [0, n).
+LCE_AMX_TARGET inline void pack_b_tile(const strided& b, std::int64_t k, std::int64_t n, std::int64_t k0,
+                                       std::int64_t n0, u16* out) {
+  if (b.col == 1) {  // columns along memory: interleave rows k0 + 2p and k0 + 2p + 1
+    for (int p = 0; p < 16; ++p) {
+      const std::int64_t r = k0 + 2 * p;
+      const __m256i r0 = r < k ? load_16(b.at(r, n0), n - n0) : _mm256_setzero_si256();
+      const __m256i r1 = r + 1 < k ? load_16(b.at(r + 1, n0), n - n0) : _mm256_setzero_si256();
+      _mm512_storeu_si512(out + p * 32, interleave(r0, r1));
+    }
+    return;
+  }
+  // Depth along memory (b.row == 1): column n0 + c's 32 k are 16 32-bit pairs; transpose them.
+  __m512i v[16];
+  for (int c = 0; c < 16; ++c)
+    v[c] = n0 + c < n ? load_32(b.at(k0, n0 + c), k - k0) : _mm512_setzero_si512();
+  transpose_16x16(v);
+  for (int p = 0; p < 16; ++p) _mm512_storeu_si512(out + p * 32, v[p]);
+}
+
+// One packed tile of A: rows m0 .. m0 + 15, 32 k from k0, zeros outside [0, m) x [0, k).
+LCE_AMX_TARGET inline void pack_a_tile(const strided& a, std::int64_t m, std::int64_t k, std::int64_t m0,
+                                       std::int64_t k0, u16* out) {
+  if (a.col == 1) {  // k along memory: copy rows
+    for (int r = 0; r < 16; ++r)
+      _mm512_storeu_si512(out + r * 32, m0 + r < m ? load_32(a.at(m0 + r, k0), k - k0) : _mm512_setzero_si512());
+    return;
+  }
+  // Rows along memory (a.row == 1): interleave the k rows in pairs, then transpose the pairs.
+  __m512i v[16];
+  for (int p = 0; p < 16; ++p) {
+    const std::int64_t kk = k0 + 2 * p;
+    const __m256i r0 = kk < k ? load_16(a.at(m0, kk), m - m0) : _mm256_setzero_si256();
+    const __m256i r1 = kk + 1 < k ? load_16(a.at(m0, kk + 1), m - m0) : _mm256_setzero_si256();
+    v[p] = interleave(r0, r1);
+  }
+  transpose_16x16(v);
+  for (int r = 0; r < 16; ++r) _mm512_storeu_si512(out + r * 32, v[r]);
+}
+
+// Where the kernel reads the two 16-row tiles of A at step s: a[h] + s * advance, rows `stride` bytes apart.
+struct a_tiles {
+  const u16* half[2];
+  std::int64_t advance, stride;
+};
+
+// C tiles 0-3 += A(steps) x B(steps); b0, b1 packed (consecutive tiles per step). The
+// next step's tiles are prefetched into L1: tile loads from L2 alone leave the
+// multiplier idle (on a 2-core Xeon: 750 against 850 GFLOP/s with the prefetch).
+LCE_AMX_TARGET inline void multiply_steps(const a_tiles& a, const u16* b0, const u16* b1, std::int64_t steps) {
+  for (std::int64_t s = 0; s < steps; ++s) {
+    if (s + 1 < steps) {
+      const char* const next_b0 = reinterpret_cast<const char*>(b0 + (s + 1) * tile_elements);
+      const char* const next_b1 = reinterpret_cast<const char*>(b1 + (s + 1) * tile_elements);
+      const char* const next_a0 = reinterpret_cast<const char*>(a.half[0] + (s + 1) * a.advance);
+      const char* const next_a1 = reinterpret_cast<const char*>(a.half[1] + (s + 1) * a.advance);
+      for (int line = 0; line < 16; ++line) {
+        _mm_prefetch(next_b0 + 64 * line, _MM_HINT_T0);
+        _mm_prefetch(next_b1 + 64 * line, _MM_HINT_T0);
+        _mm_prefetch(next_a0 + a.stride * line, _MM_HINT_T0);
+        _mm_prefetch(next_a1 + a.stride * line, _MM_HINT_T0);
+      }
+    }
+    _tile_loadd(6, b0 + s * tile_elements, 64);
+    _tile_loadd(4, a.half[0] + s * a.advance, a.stride);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_loadd(7, b1 + s * tile_elements, 64);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_loadd(5, a.half[1] + s * a.advance, a.stride);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
+}
+
+// C[0:rows, 0:cols] = alpha block + beta C (beta = 0: C is not read), block 32 x 32 row-major.
+LCE_AMX_TARGET inline void add_block(const float* block, std::int64_t rows, std::int64_t cols, float alpha, float beta,
+                                     float* c, std::int64_t ldc) {
+  const __m512 va = _mm512_set1_ps(alpha), vb = _mm512_set1_ps(beta);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t j = 0; j < cols; j += 16) {
+      const std::int64_t left = cols - j;
+      const __mmask16 mask = left >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+      __m512 v = _mm512_mul_ps(va, _mm512_loadu_ps(block + r * 32 + j));
+      float* const out = c + r * ldc + j;
+      if (beta != 0.0f) v = _mm512_fmadd_ps(vb, _mm512_maskz_loadu_ps(mask, out), v);
+      _mm512_mask_storeu_ps(out, mask, v);
+    }
+  }
+}
+
+// Scratch of this thread's, grown to the largest call and kept.
+template <class Element, int Slot>
+Element* thread_scratch(std::size_t elements) {
+  thread_local std::vector<Element> scratch;
+  if (scratch.size() < elements) scratch.resize(elements);
+  return scratch.data();
+}
+
+// How one call is cut: depth blocks of `depth` k (a multiple of 32) and column blocks of
+// `columns` (a multiple of 32). Packed B is columns x depth; A's rows, when read in
+// place, are re-read once per column block, and C once per depth block.
+struct blocking {
+  std::int64_t depth, columns;
+
+  static blocking choose(std::int64_t n, std::int64_t k, bool a_in_place) {
+    const std::int64_t n32 = (n + 31) / 32 * 32, k32 = (k + step - 1) / step * step;
+    if (!a_in_place) {
+      // A is packed per row block and column block: as many columns as 1 MiB of packed B
+      // holds, so that A is packed once for all of them where it can be.
+      const std::int64_t depth = std::min<std::int64_t>(k32, 1024);
+      return {depth, std::clamp<std::int64_t>((std::int64_t{1} << 19) / depth / 32 * 32, 32, n32)};
+    }
+    // A read in place. Up to 1,024 deep, one depth block (C written once: the logits' C is
+    // larger than the caches) and 128 K elements of packed B (256 KiB, in L2). Deeper (dX:
+    // the whole vocabulary against one [rows, 512] piece of dX, which stays in L2), blocks
+    // of 1,024 k across 512 columns, so that A, from memory, is read once. Each depth block
+    // stores and reloads C's tiles, which drains the multiplier: at depth 32,000, [512, 512]
+    // of dX took 43 ms in blocks of 256 k, 32 in blocks of 512 and 28 in blocks of 1,024.
+    if (k32 <= 1024) return {k32, std::clamp<std::int64_t>((std::int64_t{1} << 17) / k32 / 32 * 32, 32, n32)};
+    return {1024, std::min<std::int64_t>(512, n32)};
+  }
+};
+
+// C[m, n] = alpha A[m, k] B[k, n] + beta C, A and B by their strides, C row-major with ldc.
+LCE_AMX_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, strided a, strided b,
+                                float beta, float* c, std::int64_t ldc) {
+  const bool a_in_place = a.col == 1;
+  const blocking cut = blocking::choose(n, k, a_in_place);
+  const std::int64_t block_steps = cut.depth / step, panels = cut.columns / 32;
+  const std::int64_t panel_elements = 2 * block_steps * tile_elements;  // 32 columns of B, or 32 rows of A
+  const bool several_depth_blocks = k > cut.depth;
+  // Whole 32 x 32 blocks of C with alpha = 1 and beta 0 or 1 go to and from the tiles as they
+  // are; other blocks (ragged edges, alpha != 1) sum over depth blocks in `partial`.
+  const bool c_in_place_allowed = alpha == 1.0f && (beta == 0.0f || beta == 1.0f);
+  const std::int64_t rows_padded = (m + 31) / 32 * 32;
+  u16* const b_pack = thread_scratch<u16, 0>(static_cast<std::size_t>(panels * panel_elements));
+  u16* const a_pack = thread_scratch<u16, 1>(static_cast<std::size_t>(panel_elements));
+  float* const partial =
+      several_depth_blocks ? thread_scratch<float, 2>(static_cast<std::size_t>(rows_padded * cut.columns)) : nullptr;
+  alignas(64) float block[32 * 32];
+
+  load_tile_config();
+  for (std::int64_t n0 = 0; n0 < n; n0 += cut.columns) {
+    const std::int64_t these_panels = std::min(panels, (n - n0 + 31) / 32);
+    for (std::int64_t k0 = 0; k0 < k; k0 += cut.depth) {
+      const std::int64_t kb = std::min(cut.depth, k - k0);
+      const std::int64_t steps = (kb + step - 1) / step, full_steps = kb / step;
+      const bool first = k0 == 0, last = k0 + cut.depth >= k;
+      // Along memory: each row of B (the rows of a column-contiguous B, else its columns) in one pass.
+      if (b.col == 1) {
+        for (std::int64_t s = 0; s < steps; ++s)
+          for (std::int64_t p = 0; p < 2 * these_panels; ++p)
+            pack_b_tile(b, k, n, k0 + s * step, n0 + p * 16, b_pack + (p * steps + s) * tile_elements);
+      } else {
+        for (std::int64_t p = 0; p < 2 * these_panels; ++p)
+          for (std::int64_t s = 0; s < steps; ++s)
+            pack_b_tile(b, k, n, k0 + s * step, n0 + p * 16, b_pack + (p * steps + s) * tile_elements);
+      }
+      packed_stores_done();
+      for (std::int64_t m0 = 0; m0 < m; m0 += 32) {
+        const std::int64_t rows = std::min<std::int64_t>(32, m - m0);
+        const bool direct = a_in_place && rows == 32;
+        a_tiles in_place{};
+        if (direct) {
+          in_place = {{a.at(m0, k0), a.at(m0 + 16, k0)}, step, a.row * 2};
+          if (full_steps < steps)  // the ragged last step, zero-padded
+            for (int h = 0; h < 2; ++h)
+              pack_a_tile(a, m, k, m0 + 16 * h, k0 + full_steps * step, a_pack + h * tile_elements);
+        } else {
+          for (int h = 0; h < 2; ++h)
+            for (std::int64_t s = 0; s < steps; ++s)
+              pack_a_tile(a, m, k, m0 + 16 * h, k0 + s * step, a_pack + (h * steps + s) * tile_elements);
+        }
+        packed_stores_done();
+        const a_tiles packed = direct ? a_tiles{{a_pack, a_pack + tile_elements}, 0, 64}
+                                      : a_tiles{{a_pack, a_pack + steps * tile_elements}, tile_elements, 64};
+        for (std::int64_t p = 0; p < these_panels; ++p) {
+          const std::int64_t col = n0 + p * 32;
+          const bool c_in_place = c_in_place_allowed && rows == 32 && n - col >= 32;
+          float* const c_block = c + m0 * ldc + col;
+          float* const partial_block = several_depth_blocks ? partial + m0 * cut.columns + p * 32 : nullptr;
+          // Where this block's sum so far is, if anywhere: C (in place, beta = 1 or a later depth
+          // block), `partial` (a later depth block of another block), or nowhere (zero).
+          const float* from = nullptr;
+          std::int64_t from_ld = 0;
+          if (c_in_place && (!first || beta == 1.0f)) from = c_block, from_ld = ldc;
+          if (!c_in_place && !first) from = partial_block, from_ld = cut.columns;
+          if (from) {
+            _tile_loadd(0, from, from_ld * 4);
+            _tile_loadd(1, from + 16, from_ld * 4);
+            _tile_loadd(2, from + 16 * from_ld, from_ld * 4);
+            _tile_loadd(3, from + 16 * from_ld + 16, from_ld * 4);
+          } else {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+          }
+          const u16* const b0 = b_pack + (2 * p) * steps * tile_elements;
+          const u16* const b1 = b0 + steps * tile_elements;
+          if (direct) {
+            multiply_steps(in_place, b0, b1, full_steps);
+            if (full_steps < steps)
+              multiply_steps(packed, b0 + full_steps * tile_elements, b1 + full_steps * tile_elements, 1);
+          } else {
+            multiply_steps(packed, b0, b1, steps);
+          }
+          float* to = block;
+          std::int64_t to_ld = 32;
+          if (c_in_place) to = c_block, to_ld = ldc;
+          else if (!last) to = partial_block, to_ld = cut.columns;
+          _tile_stored(0, to, to_ld * 4);
+          _tile_stored(1, to + 16, to_ld * 4);
+          _tile_stored(2, to + 16 * to_ld, to_ld * 4);
+          _tile_stored(3, to + 16 * to_ld + 16, to_ld * 4);
+          if (!c_in_place && last)
+            add_block(block, rows, std::min<std::int64_t>(32, n - col), alpha, beta, c_block, ldc);
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+}  // namespace amx
+
+// Row-major C[m, n] = alpha op(A) op(B) + beta C on AMX tiles (amx_bf16_gemm_available() must
+// hold); beta = 0 overwrites C. The provider contract's bf16_gemm.
+inline void amx_bf16_gemm(transpose ta, transpose tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
+                          const bfloat16* a, std::int64_t lda, const bfloat16* b, std::int64_t ldb, float beta,
+                          float* c, std::int64_t ldc) {
+  if (m <= 0 || n <= 0) return;
+  const auto* a16 = reinterpret_cast<const std::uint16_t*>(a);
+  const auto* b16 = reinterpret_cast<const std::uint16_t*>(b);
+  const amx::strided a_view = ta == transpose::no ? amx::strided{a16, lda, 1} : amx::strided{a16, 1, lda};
+  const amx::strided b_view = tb == transpose::no ? amx::strided{b16, ldb, 1} : amx::strided{b16, 1, ldb};
+  if (k <= 0) {  // C = beta C
+    for (std::int64_t i = 0; i < m; ++i)
+      for (std::int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.0f ? 0.0f : beta * c[i * ldc + j];
+    return;
+  }
+  amx::gemm(m, n, k, alpha, a_view, b_view, beta, c, ldc);
+}
+
+#pragma GCC diagnostic pop
+#undef LCE_AMX_TARGET
+
+#else
+
+inline bool amx_bf16_gemm_available() { return false; }
+
+inline void amx_bf16_gemm(transpose, transpose, std::int64_t, std::int64_t, std::int64_t, float, const bfloat16*,
+                          std::int64_t, const bfloat16*, std::int64_t, float, float*, std::int64_t) {}
+
+#endif
+
+}  // namespace detail
+LCE_END_NAMESPACE

@@ -1,0 +1,127 @@
+// lce's AMX bf16 x bf16 -> fp32 GEMM (lce/host/detail/amx_bf16_gemm.hpp) against a
+// double-precision loop over the same bf16 values, at every transpose, ragged
+// and whole 32 x 32 blocks, depths over one depth block (1,024) and alpha /
+// beta as the provider contract has them. The bound is fp32 accumulation's:
+// k u (|alpha| sum |a_i b_i| + |beta c|), u = 2^-24, which a wrong tile, pair
+// order, packing or missing term exceeds by orders of magnitude. Runs only on
+// a CPU with AMX (the test says when it skips).
+#include <lce/host/detail/amx_bf16_gemm.hpp>
+
+#include <doctest/doctest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <random>
+#include <utility>
+#include <vector>
+
+namespace {
+
+using lce::bfloat16;
+using lce::transpose;
+
+struct problem {
+  std::int64_t m, n, k;
+  transpose ta, tb;
+  float alpha, beta;
+};
+
+// Runs one problem with padded leading dimensions; checks every element of C, and that
+// the padding columns of C keep their values. Returns the largest error / bound.
+double run(const problem& p, std::mt19937& rng) {
+  const bool at = p.ta == transpose::yes, bt = p.tb == transpose::yes;
+  const std::int64_t lda = (at ? p.m : p.k) + 3, ldb = (bt ? p.k : p.n) + 5, ldc = p.n + 7;
+  std::uniform_real_distribution<float> value(-2.0f, 2.0f);
+  std::vector<bfloat16> a(static_cast<std::size_t>((at ? p.k : p.m) * lda));
+  std::vector<bfloat16> b(static_cast<std::size_t>((bt ? p.n : p.k) * ldb));
+  for (auto& x : a) x = bfloat16(value(rng));
+  for (auto& x : b) x = bfloat16(value(rng));
+  std::vector<float> c(static_cast<std::size_t>(p.m * ldc));
+  // beta = 0 must not read C: NaN there would otherwise show.
+  for (auto& x : c) x = p.beta == 0.0f ? std::numeric_limits<float>::quiet_NaN() : value(rng);
+  const std::vector<float> before = c;
+  lce::detail::amx_bf16_gemm(p.ta, p.tb, p.m, p.n, p.k, p.alpha, a.data(), lda, b.data(), ldb, p.beta, c.data(), ldc);
+  double worst = 0.0;
+  for (std::int64_t i = 0; i < p.m; ++i) {
+    for (std::int64_t j = 0; j < ldc; ++j) {
+      const float got = c[static_cast<std::size_t>(i * ldc + j)];
+      const float old = before[static_cast<std::size_t>(i * ldc + j)];
+      if (j >= p.n) {  // outside C: untouched, NaN or not
+        if (!(got == old || (std::isnan(got) && std::isnan(old)))) return std::numeric_limits<double>::infinity();
+        continue;
+      }
+      double sum = 0.0, magnitude = 0.0;
+      for (std::int64_t q = 0; q < p.k; ++q) {
+        const double x = static_cast<float>(a[static_cast<std::size_t>(at ? q * lda + i : i * lda + q)]);
+        const double y = static_cast<float>(b[static_cast<std::size_t>(bt ? j * ldb + q : q * ldb + j)]);
+        sum += x * y;
+        magnitude += std::fabs(x * y);
+      }
+      const double c_term = p.beta == 0.0f ? 0.0 : static_cast<double>(p.beta) * old;
+      const double expected = p.alpha * sum + c_term;
+      const double bound = static_cast<double>(p.k + 2) * std::ldexp(1.0, -24) *
+                               (std::fabs(p.alpha) * magnitude + std::fabs(c_term)) +
+                           std::numeric_limits<float>::denorm_min();
+      const double error = std::isfinite(got) ? std::fabs(got - expected) / bound : std::numeric_limits<double>::infinity();
+      if (error > worst) worst = error;
+    }
+  }
+  return worst;
+}
+
+}  // namespace
+
+TEST_CASE("AMX bf16 GEMM: every transpose, ragged and whole blocks, deep sums, alpha and beta") {
+  if (!lce::detail::amx_bf16_gemm_available()) {
+    MESSAGE("skipped: this CPU (or OS) gives no AMX tiles, so lce's AMX kernel does not run here");
+    return;
+  }
+  std::mt19937 rng(2026);
+  const transpose both[] = {transpose::no, transpose::yes};
+  // Whole blocks (in-place C), ragged edges, one depth step, depths past one and two depth
+  // blocks (1,024) with a ragged last step; m over 32 with A packed (transposed).
+  const std::int64_t shapes[][3] = {{32, 32, 32},  {64, 96, 64},  {1, 1, 1},     {17, 45, 3},   {33, 31, 100},
+                                    {64, 64, 1024}, {40, 70, 1100}, {64, 96, 2080}, {96, 33, 2100}, {5, 530, 1500}};
+  const std::pair<float, float> scales[] = {{1.0f, 0.0f}, {1.0f, 1.0f}, {0.5f, 0.0f}, {-0.25f, 1.0f}, {1.0f, -1.5f}};
+  for (const auto& shape : shapes)
+    for (const transpose ta : both)
+      for (const transpose tb : both)
+        for (const auto& scale : scales) {
+          const problem p{shape[0], shape[1], shape[2], ta, tb, scale.first, scale.second};
+          CAPTURE(p.m);
+          CAPTURE(p.n);
+          CAPTURE(p.k);
+          CAPTURE(ta == transpose::yes);
+          CAPTURE(tb == transpose::yes);
+          CAPTURE(p.alpha);
+          CAPTURE(p.beta);
+          CHECK(run(p, rng) <= 1.0);
+        }
+}
+
+TEST_CASE("AMX bf16 GEMM: lce_torch's shapes (logits into a wide C, dX over the vocabulary, dW)") {
+  if (!lce::detail::amx_bf16_gemm_available()) {
+    MESSAGE("skipped: this CPU (or OS) gives no AMX tiles, so lce's AMX kernel does not run here");
+    return;
+  }
+  std::mt19937 rng(7);
+  CHECK(run({64, 200, 256, transpose::no, transpose::yes, 1.0f, 0.0f}, rng) <= 1.0);  // logits
+  CHECK(run({64, 96, 3000, transpose::no, transpose::no, 1.0f, 0.0f}, rng) <= 1.0);   // dX
+  CHECK(run({130, 96, 70, transpose::yes, transpose::no, 1.0f, 1.0f}, rng) <= 1.0);   // dW
+}
+
+TEST_CASE("AMX bf16 GEMM: an empty C or depth") {
+  if (!lce::detail::amx_bf16_gemm_available()) {
+    MESSAGE("skipped: this CPU (or OS) gives no AMX tiles, so lce's AMX kernel does not run here");
+    return;
+  }
+  std::vector<float> c = {1.0f, 2.0f, 3.0f, 4.0f};
+  const bfloat16 none{};
+  lce::detail::amx_bf16_gemm(transpose::no, transpose::no, 2, 2, 0, 1.0f, &none, 1, &none, 2, 0.5f, c.data(), 2);
+  CHECK(c == std::vector<float>{0.5f, 1.0f, 1.5f, 2.0f});
+  lce::detail::amx_bf16_gemm(transpose::no, transpose::no, 2, 2, 0, 1.0f, &none, 1, &none, 2, 0.0f, c.data(), 2);
+  CHECK(c == std::vector<float>{0.0f, 0.0f, 0.0f, 0.0f});
+  lce::detail::amx_bf16_gemm(transpose::no, transpose::no, 0, 2, 5, 1.0f, &none, 1, &none, 2, 0.0f, c.data(), 2);
+  CHECK(c == std::vector<float>{0.0f, 0.0f, 0.0f, 0.0f});
+}
