@@ -44,7 +44,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <vector>
+#include <memory>
 
 LCE_BEGIN_NAMESPACE
 namespace detail {
@@ -256,12 +256,18 @@ LCE_AMX_TARGET inline void add_block(const float* block, std::int64_t rows, std:
   }
 }
 
-// Scratch of this thread's, grown to the largest call and kept.
+// Scratch of this thread's, grown to the largest call and kept (left uninitialised: the
+// pages a call does not touch are never mapped).
 template <class Element, int Slot>
 Element* thread_scratch(std::size_t elements) {
-  thread_local std::vector<Element> scratch;
-  if (scratch.size() < elements) scratch.resize(elements);
-  return scratch.data();
+  thread_local std::unique_ptr<Element[]> scratch;
+  thread_local std::size_t capacity = 0;
+  if (capacity < elements) {
+    scratch.reset();
+    scratch.reset(new Element[elements]);
+    capacity = elements;
+  }
+  return scratch.get();
 }
 
 // How one call is cut: depth blocks of `depth` k (a multiple of 32) and column blocks of
@@ -300,11 +306,13 @@ LCE_AMX_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int64_t k, 
   // Whole 32 x 32 blocks of C with alpha = 1 and beta 0 or 1 go to and from the tiles as they
   // are; other blocks (ragged edges, alpha != 1) sum over depth blocks in `partial`.
   const bool c_in_place_allowed = alpha == 1.0f && (beta == 0.0f || beta == 1.0f);
+  const bool every_block_in_place = c_in_place_allowed && m % 32 == 0 && n % 32 == 0;
   const std::int64_t rows_padded = (m + 31) / 32 * 32;
   u16* const b_pack = thread_scratch<u16, 0>(static_cast<std::size_t>(panels * panel_elements));
   u16* const a_pack = thread_scratch<u16, 1>(static_cast<std::size_t>(panel_elements));
-  float* const partial =
-      several_depth_blocks ? thread_scratch<float, 2>(static_cast<std::size_t>(rows_padded * cut.columns)) : nullptr;
+  float* const partial = several_depth_blocks && !every_block_in_place
+                             ? thread_scratch<float, 2>(static_cast<std::size_t>(rows_padded * cut.columns))
+                             : nullptr;
   alignas(64) float block[32 * 32];
 
   load_tile_config();
@@ -346,7 +354,7 @@ LCE_AMX_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int64_t k, 
           const std::int64_t col = n0 + p * 32;
           const bool c_in_place = c_in_place_allowed && rows == 32 && n - col >= 32;
           float* const c_block = c + m0 * ldc + col;
-          float* const partial_block = several_depth_blocks ? partial + m0 * cut.columns + p * 32 : nullptr;
+          float* const partial_block = partial ? partial + m0 * cut.columns + p * 32 : nullptr;
           // Where this block's sum so far is, if anywhere: C (in place, beta = 1 or a later depth
           // block), `partial` (a later depth block of another block), or nowhere (zero).
           const float* from = nullptr;
