@@ -11,17 +11,20 @@
 // `import torch`); otherwise (AMD and others) the CBLAS lce links (OpenBLAS),
 // as lce::cblas_gemm. LCE_TORCH_FP32_BLAS=mkl or =openblas forces either.
 // blas_info says which runs.
-// bfloat16: on a CPU with AMX (Sapphire Rapids and later Xeons), lce's own
-// AMX kernel (lce/host/detail/amx_bf16_gemm.hpp): at the three GEMMs of a
-// 512-token chunk (H 1,024, V 32,000) on 2 cores it ran 83 ms against 142 for
-// the MKL below, in one run. Elsewhere, the bf16 x bf16 -> fp32 GEMM of the
-// MKL that PyTorch's x86 wheels carry inside libtorch_cpu
-// (cblas_gemm_bf16bf16f32: AVX512-BF16 kernels where the CPU has them, fp32
-// accumulation). It is looked up at run time in the libtorch_cpu this process
-// loaded, so a torch without it (aarch64, a build without MKL) still loads;
-// there each bf16 GEMM widens its operands to fp32 for the BLAS
-// (lce::detail::widening_bf16_gemm). LCE_TORCH_BF16_GEMM=mkl or =widen
-// chooses the others on an AMX CPU; blas_info says which runs.
+// bfloat16: the bf16 x bf16 -> fp32 GEMM of the MKL that PyTorch's x86
+// wheels carry inside libtorch_cpu (cblas_gemm_bf16bf16f32: AMX or
+// AVX512-BF16 kernels where the CPU has them, fp32 accumulation). It is looked
+// up at run time in the libtorch_cpu this process loaded, so a torch without
+// it (aarch64, a build without MKL) still loads; there, on a CPU with AMX,
+// lce's own AMX kernel runs (lce/host/detail/amx_bf16_gemm.hpp), else each
+// bf16 GEMM widens its operands to fp32 for the BLAS
+// (lce::detail::widening_bf16_gemm). LCE_TORCH_BF16_GEMM=amx|mkl|widen asks
+// for one; blas_info says which runs. lce's AMX kernel is not the default
+// beside MKL: on a 2-core AMX Xeon it beat MKL at the short-sequence shapes
+// (logits into a C as wide as the vocabulary, dX over all of it: a step at
+// V = 32,000, N = 512-1,024 took 1.03-1.16x plain PyTorch's time against
+// 1.15-1.35x) but lost at the vocabulary-order shapes of longer sequences
+// ([1,024, 1,024] at depth 1,024: 583-629 against 727-754 GFLOP/s).
 //
 // With bf16_operands, a bfloat16 operator's three GEMMs per chunk read the
 // hidden rows as stored and dz rounded once to bf16 (unit roundoff 2^-8),
@@ -130,9 +133,9 @@ void column_major_gemm(mkl_fortran_gemm_fn<A> fn, mkl_set_threads_local_fn set_t
   set_threads(previous);
 }
 
-// Which bf16 GEMM runs: lce's AMX kernel where the CPU has AMX, else MKL's where this torch has
-// it, else widening; LCE_TORCH_BF16_GEMM=amx|mkl|widen asks for one (an unavailable choice falls
-// to the next).
+// Which bf16 GEMM runs: MKL's where this torch has it, else lce's AMX kernel where the CPU has
+// AMX, else widening; LCE_TORCH_BF16_GEMM=amx|mkl|widen asks for one (an unavailable choice
+// falls to the next).
 enum class bf16_kernel { amx, mkl, widen };
 
 inline bf16_kernel choose_bf16_kernel() {
@@ -140,8 +143,10 @@ inline bf16_kernel choose_bf16_kernel() {
     const char* asked = std::getenv("LCE_TORCH_BF16_GEMM");
     const std::string choice = asked ? asked : "";
     if (choice == "widen") return bf16_kernel::widen;
-    if (choice != "mkl" && lce::detail::amx_bf16_gemm_available()) return bf16_kernel::amx;
-    return torch_mkl::get().bf16_gemm ? bf16_kernel::mkl : bf16_kernel::widen;
+    const bool amx = lce::detail::amx_bf16_gemm_available(), mkl = torch_mkl::get().bf16_gemm != nullptr;
+    if (choice == "amx" && amx) return bf16_kernel::amx;
+    if (mkl) return bf16_kernel::mkl;
+    return amx ? bf16_kernel::amx : bf16_kernel::widen;
   }();
   return chosen;
 }

@@ -1,6 +1,7 @@
-"""bfloat16 GEMMs of lce_torch (csrc/torch_gemm.hpp): lce's AMX kernel on a CPU with AMX,
-MKL's bf16 x bf16 -> fp32 GEMM from the libtorch_cpu this process loaded, or bf16 widened
-to fp32 for OpenBLAS (LCE_TORCH_BF16_GEMM=amx|mkl|widen asks for one). Each gives the
+"""bfloat16 GEMMs of lce_torch (csrc/torch_gemm.hpp): MKL's bf16 x bf16 -> fp32 GEMM from
+the libtorch_cpu this process loaded, lce's AMX kernel on a CPU with AMX (the default
+without MKL), or bf16 widened to fp32 for OpenBLAS (LCE_TORCH_BF16_GEMM=amx|mkl|widen
+asks for one). Each gives the
 float64 reference's gradients to within dz's rounding to bf16, and the widened path's
 to within the outputs' bf16 rounding."""
 import os
@@ -70,11 +71,11 @@ def relative_error(a, b):
 def test_blas_info_names_the_bf16_gemm():
     info = lce_torch.blas_info()
     assert "bf16 GEMMs: " in info
-    if cpu_has_amx():
-        assert MARKS["amx"] in info, info
-    elif HAS_MKL:
-        # PyTorch's x86 wheels carry MKL inside libtorch_cpu: its bf16 GEMM is the one used.
+    if HAS_MKL:
+        # PyTorch's x86 wheels carry MKL inside libtorch_cpu: its bf16 GEMM is the default.
         assert MARKS["mkl"] in info, info
+    elif cpu_has_amx():
+        assert MARKS["amx"] in info, info
 
 
 @pytest.mark.parametrize("kernel", ["amx", "mkl", "widen"])
