@@ -22,10 +22,17 @@
 //   dnnl bf16 x2   dz kept to 16 bits as two bf16 parts hi + lo, two GEMMs each for dX, dW
 //   dnnl f32xbf16  dz kept fp32, W or X bf16 (only if this oneDNN has the mixed kernel)
 //   dnnl f32       oneDNN's own f32 matmul (for scale)
+//   lce amx        lce's own AMX kernel (lce/host/detail/amx_bf16_gemm.hpp, lce_torch's
+//                  LCE_TORCH_BF16_GEMM=amx), dz rounded to bf16 as in `dnnl bf16`, one
+//                  single-threaded call per tile from OpenMP's threads as lce's host backend
+//                  calls a provider: logits in vocabulary tiles of 2,000, dX in one piece of
+//                  columns per thread over the whole vocabulary, dW in vocabulary tiles of
+//                  1,024 (only on a CPU with AMX)
 // Then accuracy on sampled rows against a double-precision reference of the same inputs
 // (the bf16 values, and dz in fp32): max |error| / sum |a_i b_i| (the bound an fp32
 // accumulation keeps near 1e-7 and a bf16 one could not), and rms error / rms value.
 #include <lce/host/blas_info.hpp>
+#include <lce/host/detail/amx_bf16_gemm.hpp>
 #include <lce/lce.hpp>
 
 #include <oneapi/dnnl/dnnl.hpp>
@@ -159,6 +166,32 @@ int main(int argc, char** argv) {
       }
   };
 
+  // lce's AMX kernel, one call per tile (see "lce amx" above); dW adds into dw as the others do.
+  using lce::transpose;
+  const auto amx_logits = [&](const bf16_t* x, const bf16_t* w, float* out) {
+    constexpr long long tile = 2000;
+#pragma omp parallel for schedule(dynamic)
+    for (long long v0 = 0; v0 < V; v0 += tile)
+      lce::detail::amx_bf16_gemm(transpose::no, transpose::yes, C, std::min(tile, V - v0), H, 1.0f, x, H, w + v0 * H, H,
+                                 0.0f, out + v0, V);
+  };
+  const auto amx_grad_hidden = [&](const bf16_t* d, const bf16_t* w, float* out, long long pieces) {
+    const long long width = (H + pieces - 1) / pieces;
+#pragma omp parallel for schedule(static)
+    for (long long p = 0; p < pieces; ++p) {
+      const long long c0 = p * width, cols = std::min(width, H - c0);
+      if (cols > 0)
+        lce::detail::amx_bf16_gemm(transpose::no, transpose::no, C, cols, V, 1.0f, d, V, w + c0, H, 0.0f, out + c0, H);
+    }
+  };
+  const auto amx_grad_weight = [&](const bf16_t* d, const bf16_t* x, float* out) {
+    constexpr long long tile = 1024;
+#pragma omp parallel for schedule(dynamic)
+    for (long long v0 = 0; v0 < V; v0 += tile)
+      lce::detail::amx_bf16_gemm(transpose::yes, transpose::no, std::min(tile, V - v0), H, C, 1.0f, d + v0, V, x, H,
+                                 1.0f, out + v0 * H, H);
+  };
+
   const auto* dnnl_version = dnnl::version();
   dnnl::engine eng(dnnl::engine::kind::cpu, 0);
   dnnl::stream stream(eng);
@@ -232,6 +265,13 @@ int main(int argc, char** argv) {
     if (dx_f) work.push_back({"dnnl f32", "dX", [&] { dx_f->run(eng, stream, dz.data(), wf.data(), dx.data()); }});
     if (dw_f) work.push_back({"dnnl f32", "dW", [&] { dw_f->run(eng, stream, dz.data(), xf.data(), dw.data()); }});
 
+    if (lce::detail::amx_bf16_gemm_available()) {
+      work.push_back({"lce amx", "logits", [&] { amx_logits(xb.data(), wb.data(), z.data()); }});
+      work.push_back({"lce amx", "dz->bf16", [&] { host.copy(Dz, matrix_view<bf16_t>{dzb.data(), C, V, V}); }});
+      work.push_back({"lce amx", "dX", [&] { amx_grad_hidden(dzb.data(), wb.data(), dx.data(), threads); }});
+      work.push_back({"lce amx", "dW", [&] { amx_grad_weight(dzb.data(), xb.data(), dw.data()); }});
+    }
+
     for (auto& e : work) e.call();  // warm-up
     for (int round = 0; round < cfg.rounds; ++round) {
       for (auto& e : work) {
@@ -266,7 +306,7 @@ int main(int argc, char** argv) {
       if (cols.count("dz->bf16")) std::snprintf(conv, sizeof conv, "%.1f", cols["dz->bf16"]);
       std::printf("| %-14s | %15s | %15s | %15s | %9s | %9.1f |\n", row.c_str(), cell("logits").c_str(),
                   cell("dX").c_str(), cell("dW").c_str(), conv, sum);
-      if (row.rfind("dnnl bf16", 0) == 0)
+      if (row.rfind("dnnl bf16", 0) == 0 || row == "lce amx")
         std::printf("|   lce bf16 / %s, whole sweep: %.2fx |\n", row.c_str(), base / sum);
     }
     std::fflush(stdout);
@@ -324,6 +364,13 @@ int main(int argc, char** argv) {
     b->run(eng, stream, dz_hi.data(), xb.data(), r.dw.data());
     b->run(eng, stream, dz_lo.data(), xb.data(), r.dw.data());
     got["dnnl bf16 x2 (dz hi+lo)"] = std::move(r);
+  }
+  if (lce::detail::amx_bf16_gemm_available()) {
+    results r = fresh();
+    amx_logits(xb.data(), wb.data(), r.z.data());
+    amx_grad_hidden(dzb.data(), wb.data(), r.dx.data(), cfg.threads.back());
+    amx_grad_weight(dzb.data(), xb.data(), r.dw.data());
+    got["lce amx (dz rounded)"] = std::move(r);
   }
   if (auto a = matmul::make(eng, C, H, V, dt::f32, {V, 1}, dt::bf16, {H, 1}, false)) {
     results r = fresh();
