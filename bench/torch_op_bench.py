@@ -10,6 +10,9 @@ mean cross-entropy of an LM head, hidden [N, H] -> logits [N, V] -> loss.
                 (forward, then the backward op: 4 GEMMs/chunk, as for log-probs with any loss)
   lce_<M>mib    lce with workspace_limit_bytes = M MiB (e.g. lce_32mib), and
   lce_chunk<R>  lce with chunks of R tokens: run only when named in --variants
+  lce_amx, lce_mkl, lce_widen
+                lce with that bf16 GEMM (lce_torch.set_bf16_gemm; "lce" and the others run the
+                default): run only when named in --variants
 
 For each dtype (float32, bfloat16), vocabulary V and thread count (torch.set_num_threads,
 which lce's op follows too), the time of forward + backward (best of --reps after a
@@ -113,8 +116,8 @@ VARIANTS = {
 DEFAULT_VARIANTS = ",".join(VARIANTS)
 
 
-def variant(name):
-    """A named path, or lce_chunk<R> (chunks of R tokens) / lce_<M>mib (a workspace limit of M MiB)."""
+def lce_path(name):
+    """lce's variants: a name of VARIANTS, lce_chunk<R>, lce_<M>mib or lce_<bf16 GEMM>."""
     if name in VARIANTS:
         return VARIANTS[name]
     if name.startswith("lce_chunk") and name[len("lce_chunk"):].isdigit():
@@ -123,7 +126,29 @@ def variant(name):
     if name.startswith("lce_") and name.endswith("mib") and name[4:-3].isdigit():
         limit = int(name[4:-3]) << 20
         return lambda x, w, y: lce_torch.linear_cross_entropy(x, w, y, workspace_limit_bytes=limit)
-    raise SystemExit(f"unknown variant {name!r}: any of {','.join(VARIANTS)}, lce_chunk<R>, lce_<M>mib")
+    if name in BF16_GEMM_VARIANTS:
+        return VARIANTS["lce"]
+    raise SystemExit(f"unknown variant {name!r}: any of {','.join(VARIANTS)}, lce_chunk<R>, lce_<M>mib, "
+                     f"{', '.join(BF16_GEMM_VARIANTS)}")
+
+
+BF16_GEMM_VARIANTS = ("lce_amx", "lce_mkl", "lce_widen")
+
+
+def variant(name):
+    """A named path; lce's set their bf16 GEMM first (the backward of a call runs before the
+    next path's forward), the default unless the name asks for one."""
+    fn = lce_path(name)
+    if not name.startswith("lce"):
+        return fn
+    kernel = name[len("lce_"):] if name in BF16_GEMM_VARIANTS else "auto"
+
+    def run(x, w, y):
+        got = lce_torch.set_bf16_gemm(kernel)
+        if kernel != "auto" and got != kernel:
+            raise SystemExit(f"{name}: this machine runs no {kernel} bf16 GEMM (lce_torch runs {got})")
+        return fn(x, w, y)
+    return run
 
 
 def run_once(fn, x, w, y, measure_memory=True):

@@ -43,9 +43,11 @@
 
 #include <dlfcn.h>
 
+#include <atomic>
 #include <concepts>
 #include <cstdint>
 #include <cstdlib>
+#include <stdexcept>
 #include <string>
 
 namespace lce_torch {
@@ -134,22 +136,33 @@ void column_major_gemm(mkl_fortran_gemm_fn<A> fn, mkl_set_threads_local_fn set_t
 }
 
 // Which bf16 GEMM runs: MKL's where this torch has it, else lce's AMX kernel where the CPU has
-// AMX, else widening; LCE_TORCH_BF16_GEMM=amx|mkl|widen asks for one (an unavailable choice
-// falls to the next).
+// AMX, else widening. LCE_TORCH_BF16_GEMM=amx|mkl|widen at the first use, or
+// lce_torch.set_bf16_gemm() at any time between calls, asks for one; an unavailable choice
+// falls to the default.
 enum class bf16_kernel { amx, mkl, widen };
 
-inline bf16_kernel choose_bf16_kernel() {
-  static const bf16_kernel chosen = [] {
+inline const char* bf16_kernel_name(bf16_kernel kernel) {
+  return kernel == bf16_kernel::amx ? "amx" : kernel == bf16_kernel::mkl ? "mkl" : "widen";
+}
+
+// The kernel that runs when `choice` ("amx", "mkl", "widen", or anything else for the default) is asked for.
+inline bf16_kernel resolve_bf16_kernel(const std::string& choice) {
+  if (choice == "widen") return bf16_kernel::widen;
+  const bool amx = lce::detail::amx_bf16_gemm_available(), mkl = torch_mkl::get().bf16_gemm != nullptr;
+  if (choice == "amx" && amx) return bf16_kernel::amx;
+  if (mkl) return bf16_kernel::mkl;
+  return amx ? bf16_kernel::amx : bf16_kernel::widen;
+}
+
+inline std::atomic<bf16_kernel>& chosen_bf16_kernel() {
+  static std::atomic<bf16_kernel> chosen{[] {
     const char* asked = std::getenv("LCE_TORCH_BF16_GEMM");
-    const std::string choice = asked ? asked : "";
-    if (choice == "widen") return bf16_kernel::widen;
-    const bool amx = lce::detail::amx_bf16_gemm_available(), mkl = torch_mkl::get().bf16_gemm != nullptr;
-    if (choice == "amx" && amx) return bf16_kernel::amx;
-    if (mkl) return bf16_kernel::mkl;
-    return amx ? bf16_kernel::amx : bf16_kernel::widen;
-  }();
+    return resolve_bf16_kernel(asked ? asked : "");
+  }()};
   return chosen;
 }
+
+inline bf16_kernel choose_bf16_kernel() { return chosen_bf16_kernel().load(std::memory_order_relaxed); }
 
 }  // namespace detail
 
@@ -227,6 +240,17 @@ struct torch_gemm {
   // The operator checks every extent against the host's max_gemm_extent (INT_MAX) before any GEMM.
   static int extent(std::int64_t v) { return static_cast<int>(v); }
 };
+
+// Asks for a bf16 GEMM ("amx", "mkl", "widen", "auto"; between operator calls) and returns the one
+// that now runs.
+inline std::string set_bf16_gemm(const std::string& kernel) {
+  if (kernel != "amx" && kernel != "mkl" && kernel != "widen" && kernel != "auto")
+    throw std::invalid_argument("lce_torch.set_bf16_gemm: kernel is \"" + kernel +
+                                "\"; expected \"amx\", \"mkl\", \"widen\" or \"auto\"");
+  const detail::bf16_kernel chosen = detail::resolve_bf16_kernel(kernel);
+  detail::chosen_bf16_kernel().store(chosen, std::memory_order_relaxed);
+  return detail::bf16_kernel_name(chosen);
+}
 
 static_assert(lce::gemm_provider<torch_gemm> && lce::gemm_reads_bf16_operands<torch_gemm>);
 

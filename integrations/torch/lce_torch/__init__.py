@@ -49,6 +49,7 @@ __all__ = [
     "shard_vocab_start",
     "blas_info",
     "set_keep_workspace",
+    "set_bf16_gemm",
     "built_with_cuda",
     "next_token_targets",
     "sequence_logprobs",
@@ -288,6 +289,17 @@ def built_with_cuda():
     of torch met the CUDA toolkit (see setup.py). Without them, CUDA tensors raise
     NotImplementedError saying so."""
     return bool(torch.ops.lce.built_with_cuda())
+
+
+def set_bf16_gemm(kernel):
+    """Choose the bf16 x bf16 -> fp32 GEMM of bfloat16 operators on the CPU, between calls:
+    "mkl" (MKL's cblas_gemm_bf16bf16f32 from libtorch_cpu, the default where this torch has
+    it), "amx" (lce's own AMX kernel, on CPUs with AMX), "widen" (bf16 widened to fp32 for
+    the BLAS) or "auto" (the default). Returns the one that now runs: a choice this machine
+    cannot run falls to the default. LCE_TORCH_BF16_GEMM sets the first choice."""
+    if kernel not in ("amx", "mkl", "widen", "auto"):
+        raise ValueError(f'lce_torch.set_bf16_gemm: kernel is {kernel!r}; expected "amx", "mkl", "widen" or "auto"')
+    return torch.ops.lce.set_bf16_gemm(kernel)
 
 
 def set_keep_workspace(keep):

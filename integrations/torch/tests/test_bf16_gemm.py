@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import lce_torch
-from conftest import reference_row_gradients, run_child
+from conftest import make, reference_row_gradients, run_child
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -104,3 +104,35 @@ def test_bf16_kernel_and_widened_paths_agree(tmp_path, kernel):
     for key in ("dh", "dw"):
         scale = float(widened[key].abs().max())
         torch.testing.assert_close(fast[key], widened[key], atol=2e-2 * scale, rtol=8e-3)
+
+
+def test_set_bf16_gemm_switches_kernels_between_calls():
+    """Each kernel this machine runs, chosen in one process, gives the widened path's results."""
+    h, w, y = make(70, 64, 1500, torch.bfloat16, seed=9, scale=2.0)
+    results = {}
+    try:
+        for kernel in ("widen", "mkl", "amx"):
+            if lce_torch.set_bf16_gemm(kernel) != kernel:
+                continue  # not on this machine: the default runs instead
+            assert MARKS[kernel] in lce_torch.blas_info()
+            hh, ww = h.clone().requires_grad_(True), w.clone().requires_grad_(True)
+            logp = lce_torch.linear_logprobs(hh, ww, y, chunk_tokens=32)
+            logp.sum().backward()
+            results[kernel] = (logp.detach().double(), hh.grad.double(), ww.grad.double())
+    finally:
+        default = lce_torch.set_bf16_gemm("auto")
+    assert default == ("mkl" if HAS_MKL else "amx" if cpu_has_amx() else "widen")
+    assert "widen" in results and len(results) == 1 + HAS_MKL + cpu_has_amx()
+    ref = results["widen"]
+    for kernel, got in results.items():
+        torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=1e-5)
+        for g, r in zip(got[1:], ref[1:]):
+            torch.testing.assert_close(g, r, atol=2e-2 * float(r.abs().max()), rtol=8e-3)
+
+
+def test_set_bf16_gemm_rejects_unknown_kernels():
+    with pytest.raises(ValueError, match="'fast'.*amx"):
+        lce_torch.set_bf16_gemm("fast")
+    with pytest.raises(ValueError, match="kernel is \"fast\"; expected \"amx\""):  # std::invalid_argument
+        torch.ops.lce.set_bf16_gemm("fast")
+    assert MARKS["mkl" if HAS_MKL else "amx" if cpu_has_amx() else "widen"] in lce_torch.blas_info()
