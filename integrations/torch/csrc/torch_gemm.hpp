@@ -19,12 +19,13 @@
 // lce's own AMX kernel runs (lce/host/detail/amx_bf16_gemm.hpp), else each
 // bf16 GEMM widens its operands to fp32 for the BLAS
 // (lce::detail::widening_bf16_gemm). LCE_TORCH_BF16_GEMM=amx|mkl|widen asks
-// for one; blas_info says which runs. lce's AMX kernel is not the default
-// beside MKL: on a 2-core AMX Xeon it beat MKL at the short-sequence shapes
-// (logits into a C as wide as the vocabulary, dX over all of it: a step at
-// V = 32,000, N = 512-1,024 took 1.03-1.16x plain PyTorch's time against
-// 1.15-1.35x) but lost at the vocabulary-order shapes of longer sequences
-// ([1,024, 1,024] at depth 1,024: 583-629 against 727-754 GFLOP/s).
+// for one (lce_torch.set_bf16_gemm between calls); blas_info says which runs.
+// lce's AMX kernel is not the default beside MKL: on a 2-core AMX Xeon, in one
+// process, it saved 1-8% of a bf16 step where lce runs token chunks against
+// the whole vocabulary (V = 32,000 at N = 512-1,024, V = 128,256 at N = 512)
+// and lost 11-21% in the vocabulary order (V = 128,256, N = 1,024), whose
+// [1,024, 1,024] GEMMs at depth 1,024 it ran at 492-633 GFLOP/s against MKL's
+// 597-790 (README, PyTorch).
 //
 // With bf16_operands, a bfloat16 operator's three GEMMs per chunk read the
 // hidden rows as stored and dz rounded once to bf16 (unit roundoff 2^-8),

@@ -8,14 +8,22 @@
 // GEMMs of a chunk of 512 tokens (H 1,024, V 32,000), MKL's
 // cblas_gemm_bf16bf16f32 ran 103 ms and the oneDNN 3.2 wheel 107 ms on two
 // threads, while PyTorch's own bf16 matmuls (a newer oneDNN inside
-// libtorch_cpu, bf16 out, not callable with an fp32 output) ran 64 ms.
+// libtorch_cpu, bf16 out, not callable with an fp32 output) ran 64 ms. This
+// kernel ran them in 85 ms (bench/bf16_gemm.cpp's `lce amx` rows). At
+// [1,024, 1,024] products of depth 1,024 (lce's vocabulary order) MKL is
+// still faster (727-790 against 492-633 GFLOP/s on one thread): the 2 x 2
+// tiles read both operands from L2 there, and blocking that keeps one of them
+// in L1 is what is missing. lce_torch runs it on request
+// (lce_torch.set_bf16_gemm("amx")); the host backend's default provider does
+// not use it yet.
 //
 // Each TDPBF16PS multiplies a 16 x 32 bf16 tile of A by a 32 x 16 tile of B
 // and adds into a 16 x 16 fp32 tile: products of bf16 values are exact in
 // fp32 and every sum is an fp32 sum, as the provider contract asks. The
-// kernel keeps a 32 x 32 block of C in four tiles over the whole depth, then
-// adds it into C once (alpha, beta, masks for ragged edges), so the order of
-// the sums depends on the shapes only.
+// kernel keeps a 32 x 32 block of C in four tiles over a depth block (up to
+// 1,024; C itself, or scratch for ragged blocks, holds the sum between
+// blocks), then writes it to C (alpha, beta, masks for ragged edges), so the
+// order of the sums depends on the shapes only.
 //
 // Operand layouts. A tile row must hold 32 consecutive k of one row of A:
 // an A whose k runs along memory (transpose::no) is loaded in place; a
