@@ -24,8 +24,7 @@
 // process, it saved 1-8% of a bf16 step where lce runs token chunks against
 // the whole vocabulary (V = 32,000 at N = 512-1,024, V = 128,256 at N = 512)
 // and lost 11-21% in the vocabulary order (V = 128,256, N = 1,024), whose
-// [1,024, 1,024] GEMMs at depth 1,024 it ran at 492-633 GFLOP/s against MKL's
-// 597-790 (README, PyTorch).
+// GEMMs are [1,024, 1,024] at depth 1,024 (README, PyTorch).
 //
 // With bf16_operands, a bfloat16 operator's three GEMMs per chunk read the
 // hidden rows as stored and dz rounded once to bf16 (unit roundoff 2^-8),
