@@ -11,20 +11,17 @@
 // `import torch`); otherwise (AMD and others) the CBLAS lce links (OpenBLAS),
 // as lce::cblas_gemm. LCE_TORCH_FP32_BLAS=mkl or =openblas forces either.
 // blas_info says which runs.
-// bfloat16: the bf16 x bf16 -> fp32 GEMM of the MKL that PyTorch's x86
-// wheels carry inside libtorch_cpu (cblas_gemm_bf16bf16f32: AMX or
-// AVX512-BF16 kernels where the CPU has them, fp32 accumulation). It is looked
-// up at run time in the libtorch_cpu this process loaded, so a torch without
-// it (aarch64, a build without MKL) still loads; there, on a CPU with AMX,
-// lce's own AMX kernel runs (lce/host/detail/amx_bf16_gemm.hpp), else each
-// bf16 GEMM widens its operands to fp32 for the BLAS
+// bfloat16: on a CPU with AMX (Sapphire Rapids and later Xeons), lce's own
+// AMX kernel (lce/host/detail/amx_bf16_gemm.hpp). On a 2-core AMX Xeon, in one
+// process, a bf16 step took 0.99-1.23x plain PyTorch's time with it against
+// 1.18-1.37x with MKL's (README, PyTorch). Elsewhere, the bf16 x bf16 -> fp32
+// GEMM of the MKL that PyTorch's x86 wheels carry inside libtorch_cpu
+// (cblas_gemm_bf16bf16f32: AVX512-BF16 kernels where the CPU has them, fp32
+// accumulation), looked up at run time in the libtorch_cpu this process
+// loaded, so a torch without it (aarch64, a build without MKL) still loads;
+// without either, each bf16 GEMM widens its operands to fp32 for the BLAS
 // (lce::detail::widening_bf16_gemm). LCE_TORCH_BF16_GEMM=amx|mkl|widen asks
 // for one (lce_torch.set_bf16_gemm between calls); blas_info says which runs.
-// lce's AMX kernel is not the default beside MKL: on a 2-core AMX Xeon, in one
-// process, it saved 1-8% of a bf16 step where lce runs token chunks against
-// the whole vocabulary (V = 32,000 at N = 512-1,024, V = 128,256 at N = 512)
-// and lost 11-21% in the vocabulary order (V = 128,256, N = 1,024), whose
-// GEMMs are [1,024, 1,024] at depth 1,024 (README, PyTorch).
 //
 // With bf16_operands, a bfloat16 operator's three GEMMs per chunk read the
 // hidden rows as stored and dz rounded once to bf16 (unit roundoff 2^-8),
@@ -135,8 +132,8 @@ void column_major_gemm(mkl_fortran_gemm_fn<A> fn, mkl_set_threads_local_fn set_t
   set_threads(previous);
 }
 
-// Which bf16 GEMM runs: MKL's where this torch has it, else lce's AMX kernel where the CPU has
-// AMX, else widening. LCE_TORCH_BF16_GEMM=amx|mkl|widen at the first use, or
+// Which bf16 GEMM runs: lce's AMX kernel where the CPU has AMX, else MKL's where this torch has
+// it, else widening. LCE_TORCH_BF16_GEMM=amx|mkl|widen at the first use, or
 // lce_torch.set_bf16_gemm() at any time between calls, asks for one; an unavailable choice
 // falls to the default.
 enum class bf16_kernel { amx, mkl, widen };
@@ -149,9 +146,9 @@ inline const char* bf16_kernel_name(bf16_kernel kernel) {
 inline bf16_kernel resolve_bf16_kernel(const std::string& choice) {
   if (choice == "widen") return bf16_kernel::widen;
   const bool amx = lce::detail::amx_bf16_gemm_available(), mkl = torch_mkl::get().bf16_gemm != nullptr;
-  if (choice == "amx" && amx) return bf16_kernel::amx;
-  if (mkl) return bf16_kernel::mkl;
-  return amx ? bf16_kernel::amx : bf16_kernel::widen;
+  if (choice == "mkl" && mkl) return bf16_kernel::mkl;
+  if (amx) return bf16_kernel::amx;
+  return mkl ? bf16_kernel::mkl : bf16_kernel::widen;
 }
 
 inline std::atomic<bf16_kernel>& chosen_bf16_kernel() {

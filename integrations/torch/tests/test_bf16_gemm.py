@@ -1,7 +1,7 @@
-"""bfloat16 GEMMs of lce_torch (csrc/torch_gemm.hpp): MKL's bf16 x bf16 -> fp32 GEMM from
-the libtorch_cpu this process loaded, lce's AMX kernel on a CPU with AMX (the default
-without MKL), or bf16 widened to fp32 for OpenBLAS (LCE_TORCH_BF16_GEMM=amx|mkl|widen
-asks for one). Each gives the
+"""bfloat16 GEMMs of lce_torch (csrc/torch_gemm.hpp): lce's AMX kernel on a CPU with AMX
+(the default there), MKL's bf16 x bf16 -> fp32 GEMM from the libtorch_cpu this process
+loaded, or bf16 widened to fp32 for OpenBLAS (LCE_TORCH_BF16_GEMM=amx|mkl|widen asks
+for one). Each gives the
 float64 reference's gradients to within dz's rounding to bf16, and the widened path's
 to within the outputs' bf16 rounding."""
 import os
@@ -48,6 +48,11 @@ def cpu_has_amx():
 MARKS = {"amx": "lce's AMX kernel", "mkl": "cblas_gemm_bf16bf16f32", "widen": "widened to fp32"}
 
 
+def default_kernel():
+    # lce's AMX kernel where the CPU has AMX; else the MKL PyTorch's x86 wheels carry.
+    return "amx" if cpu_has_amx() else "mkl" if HAS_MKL else "widen"
+
+
 def run_bf16_child(path, kernel):
     return run_child(SCRIPT.format(here=HERE), path, {"LCE_TORCH_BF16_GEMM": kernel})
 
@@ -71,11 +76,7 @@ def relative_error(a, b):
 def test_blas_info_names_the_bf16_gemm():
     info = lce_torch.blas_info()
     assert "bf16 GEMMs: " in info
-    if HAS_MKL:
-        # PyTorch's x86 wheels carry MKL inside libtorch_cpu: its bf16 GEMM is the default.
-        assert MARKS["mkl"] in info, info
-    elif cpu_has_amx():
-        assert MARKS["amx"] in info, info
+    assert MARKS[default_kernel()] in info, info
 
 
 @pytest.mark.parametrize("kernel", ["amx", "mkl", "widen"])
@@ -121,7 +122,7 @@ def test_set_bf16_gemm_switches_kernels_between_calls():
             results[kernel] = (logp.detach().double(), hh.grad.double(), ww.grad.double())
     finally:
         default = lce_torch.set_bf16_gemm("auto")
-    assert default == ("mkl" if HAS_MKL else "amx" if cpu_has_amx() else "widen")
+    assert default == default_kernel()
     assert "widen" in results and len(results) == 1 + HAS_MKL + cpu_has_amx()
     ref = results["widen"]
     for kernel, got in results.items():
@@ -135,4 +136,4 @@ def test_set_bf16_gemm_rejects_unknown_kernels():
         lce_torch.set_bf16_gemm("fast")
     with pytest.raises(ValueError, match="kernel is \"fast\"; expected \"amx\""):  # std::invalid_argument
         torch.ops.lce.set_bf16_gemm("fast")
-    assert MARKS["mkl" if HAS_MKL else "amx" if cpu_has_amx() else "widen"] in lce_torch.blas_info()
+    assert MARKS[default_kernel()] in lce_torch.blas_info()

@@ -51,6 +51,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 
@@ -265,17 +266,22 @@ LCE_AMX_TARGET inline void add_block(const float* block, std::int64_t rows, std:
 }
 
 // Scratch of this thread's, grown to the largest call and kept (left uninitialised: the
-// pages a call does not touch are never mapped).
+// pages a call does not touch are never mapped), 4 KiB-aligned so that packed tiles sit
+// on whole cache lines and their L1 sets are known (see gemm).
 template <class Element, int Slot>
 Element* thread_scratch(std::size_t elements) {
-  thread_local std::unique_ptr<Element[]> scratch;
+  struct aligned_free {
+    void operator()(void* p) const { std::free(p); }
+  };
+  thread_local std::unique_ptr<void, aligned_free> scratch;
   thread_local std::size_t capacity = 0;
   if (capacity < elements) {
     scratch.reset();
-    scratch.reset(new Element[elements]);
+    const std::size_t bytes = (elements * sizeof(Element) + 4095) / 4096 * 4096;
+    scratch.reset(std::aligned_alloc(4096, bytes));
     capacity = elements;
   }
-  return scratch.get();
+  return static_cast<Element*>(scratch.get());
 }
 
 // How one call is cut: depth blocks of `depth` k (a multiple of 32) and column blocks of
@@ -306,18 +312,30 @@ struct blocking {
 // C[m, n] = alpha A[m, k] B[k, n] + beta C, A and B by their strides, C row-major with ldc.
 LCE_AMX_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, strided a, strided b,
                                 float beta, float* c, std::int64_t ldc) {
-  const bool a_in_place = a.col == 1;
+  // A is read in place when k runs along memory, unless its rows alias in L1: at a row
+  // stride that is a multiple of 512 bytes (H = 1,024 in bf16 is 2 KiB) a tile's 16 rows
+  // fall in at most 8 of L1's 64 sets, and two tiles overflow its 12 ways. Packed, the
+  // vocabulary order's [1,024, 1,024] logits at depth 1,024 ran 1,002-1,059 GFLOP/s on
+  // one thread instead of 575-619.
+  const bool a_in_place = a.col == 1 && (a.row * 2) % 512 != 0;
   const blocking cut = blocking::choose(n, k, a_in_place);
   const std::int64_t block_steps = cut.depth / step, panels = cut.columns / 32;
-  const std::int64_t panel_elements = 2 * block_steps * tile_elements;  // 32 columns of B, or 32 rows of A
+  // Streams of packed tiles start 1 KiB apart modulo 4 KiB, so that the four tiles of a step
+  // fall in different L1 sets: A halves at 0 and 1 KiB, B's column pairs at 2 and 3 KiB.
+  const std::int64_t kib = 512, stream = (block_steps * kib + 4 * kib - 1) / (4 * kib) * (4 * kib);
   const bool several_depth_blocks = k > cut.depth;
   // Whole 32 x 32 blocks of C with alpha = 1 and beta 0 or 1 go to and from the tiles as they
   // are; other blocks (ragged edges, alpha != 1) sum over depth blocks in `partial`.
   const bool c_in_place_allowed = alpha == 1.0f && (beta == 0.0f || beta == 1.0f);
   const bool every_block_in_place = c_in_place_allowed && m % 32 == 0 && n % 32 == 0;
   const std::int64_t rows_padded = (m + 31) / 32 * 32;
-  u16* const b_pack = thread_scratch<u16, 0>(static_cast<std::size_t>(panels * panel_elements));
-  u16* const a_pack = thread_scratch<u16, 1>(static_cast<std::size_t>(panel_elements));
+  const std::int64_t pair_stride = 2 * stream + 4 * kib;
+  u16* const b_pack = thread_scratch<u16, 0>(static_cast<std::size_t>(panels * pair_stride));
+  u16* const a_pack = thread_scratch<u16, 1>(static_cast<std::size_t>(2 * stream + 2 * kib));
+  const auto b_stream = [&](std::int64_t j) {  // the packed tiles of B's columns 16 j .. 16 j + 15
+    return b_pack + j / 2 * pair_stride + 2 * kib + (j % 2) * (stream + kib);
+  };
+  u16* const a_half[2] = {a_pack, a_pack + stream + kib};
   float* const partial = several_depth_blocks && !every_block_in_place
                              ? thread_scratch<float, 2>(static_cast<std::size_t>(rows_padded * cut.columns))
                              : nullptr;
@@ -334,11 +352,11 @@ LCE_AMX_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int64_t k, 
       if (b.col == 1) {
         for (std::int64_t s = 0; s < steps; ++s)
           for (std::int64_t p = 0; p < 2 * these_panels; ++p)
-            pack_b_tile(b, k, n, k0 + s * step, n0 + p * 16, b_pack + (p * steps + s) * tile_elements);
+            pack_b_tile(b, k, n, k0 + s * step, n0 + p * 16, b_stream(p) + s * tile_elements);
       } else {
         for (std::int64_t p = 0; p < 2 * these_panels; ++p)
           for (std::int64_t s = 0; s < steps; ++s)
-            pack_b_tile(b, k, n, k0 + s * step, n0 + p * 16, b_pack + (p * steps + s) * tile_elements);
+            pack_b_tile(b, k, n, k0 + s * step, n0 + p * 16, b_stream(p) + s * tile_elements);
       }
       packed_stores_done();
       for (std::int64_t m0 = 0; m0 < m; m0 += 32) {
@@ -349,15 +367,14 @@ LCE_AMX_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int64_t k, 
           in_place = {{a.at(m0, k0), a.at(m0 + 16, k0)}, step, a.row * 2};
           if (full_steps < steps)  // the ragged last step, zero-padded
             for (int h = 0; h < 2; ++h)
-              pack_a_tile(a, m, k, m0 + 16 * h, k0 + full_steps * step, a_pack + h * tile_elements);
+              pack_a_tile(a, m, k, m0 + 16 * h, k0 + full_steps * step, a_half[h]);
         } else {
           for (int h = 0; h < 2; ++h)
             for (std::int64_t s = 0; s < steps; ++s)
-              pack_a_tile(a, m, k, m0 + 16 * h, k0 + s * step, a_pack + (h * steps + s) * tile_elements);
+              pack_a_tile(a, m, k, m0 + 16 * h, k0 + s * step, a_half[h] + s * tile_elements);
         }
         packed_stores_done();
-        const a_tiles packed = direct ? a_tiles{{a_pack, a_pack + tile_elements}, 0, 64}
-                                      : a_tiles{{a_pack, a_pack + steps * tile_elements}, tile_elements, 64};
+        const a_tiles packed{{a_half[0], a_half[1]}, direct ? 0 : tile_elements, 64};
         for (std::int64_t p = 0; p < these_panels; ++p) {
           const std::int64_t col = n0 + p * 32;
           const bool c_in_place = c_in_place_allowed && rows == 32 && n - col >= 32;
@@ -380,8 +397,8 @@ LCE_AMX_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int64_t k, 
             _tile_zero(2);
             _tile_zero(3);
           }
-          const u16* const b0 = b_pack + (2 * p) * steps * tile_elements;
-          const u16* const b1 = b0 + steps * tile_elements;
+          const u16* const b0 = b_stream(2 * p);
+          const u16* const b1 = b_stream(2 * p + 1);
           if (direct) {
             multiply_steps(in_place, b0, b1, full_steps);
             if (full_steps < steps)
