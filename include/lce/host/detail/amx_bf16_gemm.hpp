@@ -9,13 +9,10 @@
 // cblas_gemm_bf16bf16f32 ran 103 ms and the oneDNN 3.2 wheel 107 ms on two
 // threads, while PyTorch's own bf16 matmuls (a newer oneDNN inside
 // libtorch_cpu, bf16 out, not callable with an fp32 output) ran 64 ms. This
-// kernel ran them in 85 ms (bench/bf16_gemm.cpp's `lce amx` rows). At
-// [1,024, 1,024] products of depth 1,024 (lce's vocabulary order) MKL is
-// still faster (a bf16 step at V = 128,256, N = 1,024 took 11-21% longer on
-// this kernel, README): the 2 x 2 tiles read both operands from L2 there, and
-// blocking that keeps one of them in L1 is what is missing. lce_torch runs it on request
-// (lce_torch.set_bf16_gemm("amx")); the host backend's default provider does
-// not use it yet.
+// kernel runs them in 66-71 ms (bench/bf16_gemm.cpp's `lce amx` rows), and
+// lce_torch's bf16 GEMMs run on it on CPUs with AMX. The host backend's
+// default provider (cblas_gemm) does not use it yet: its thread-local scratch
+// (up to about 3 MiB per thread) is not in lce's workspace plan.
 //
 // Each TDPBF16PS multiplies a 16 x 32 bf16 tile of A by a 32 x 16 tile of B
 // and adds into a 16 x 16 fp32 tile: products of bf16 values are exact in
@@ -26,8 +23,8 @@
 // order of the sums depends on the shapes only.
 //
 // Operand layouts. A tile row must hold 32 consecutive k of one row of A:
-// an A whose k runs along memory (transpose::no) is loaded in place; a
-// transposed A is packed, 32 rows at a time. B must be in the "VNNI" form,
+// an A whose k runs along memory (transpose::no) is loaded in place unless
+// its rows alias in L1 (see gemm); otherwise A is packed, 32 rows at a time. B must be in the "VNNI" form,
 // pairs (k, k + 1) side by side for each column: a B whose columns run along
 // memory (transpose::no, the weight in dX) has two rows interleaved per
 // pair, a transposed B (the weight in the logits, W[v, h] read as B[h, v])
