@@ -25,13 +25,16 @@ struct problem {
   std::int64_t m, n, k;
   transpose ta, tb;
   float alpha, beta;
+  bool rows_of_512_bytes = false;  // A's rows 512 bytes apart or a multiple (packed, not read in place)
 };
 
 // Runs one problem with padded leading dimensions; checks every element of C, and that
 // the padding columns of C keep their values. Returns the largest error / bound.
 double run(const problem& p, std::mt19937& rng) {
   const bool at = p.ta == transpose::yes, bt = p.tb == transpose::yes;
-  const std::int64_t lda = (at ? p.m : p.k) + 3, ldb = (bt ? p.k : p.n) + 5, ldc = p.n + 7;
+  const std::int64_t a_row = at ? p.m : p.k;
+  const std::int64_t lda = p.rows_of_512_bytes ? (a_row + 255) / 256 * 256 : a_row + 3;
+  const std::int64_t ldb = (bt ? p.k : p.n) + 5, ldc = p.n + 7;
   std::uniform_real_distribution<float> value(-2.0f, 2.0f);
   std::vector<bfloat16> a(static_cast<std::size_t>((at ? p.k : p.m) * lda));
   std::vector<bfloat16> b(static_cast<std::size_t>((bt ? p.n : p.k) * ldb));
@@ -109,6 +112,10 @@ TEST_CASE("AMX bf16 GEMM: lce_torch's shapes (logits into a wide C, dX over the 
   CHECK(run({64, 200, 256, transpose::no, transpose::yes, 1.0f, 0.0f}, rng) <= 1.0);  // logits
   CHECK(run({64, 96, 3000, transpose::no, transpose::no, 1.0f, 0.0f}, rng) <= 1.0);   // dX
   CHECK(run({130, 96, 70, transpose::yes, transpose::no, 1.0f, 1.0f}, rng) <= 1.0);   // dW
+  // A's rows at a multiple of 512 bytes (H = 1,024 in bf16): packed rather than read in place.
+  CHECK(run({64, 200, 256, transpose::no, transpose::yes, 1.0f, 0.0f, true}, rng) <= 1.0);
+  CHECK(run({40, 96, 3000, transpose::no, transpose::no, 1.0f, 1.0f, true}, rng) <= 1.0);
+  CHECK(run({64, 70, 1024, transpose::no, transpose::yes, 0.5f, 0.0f, true}, rng) <= 1.0);
 }
 
 TEST_CASE("AMX bf16 GEMM: an empty C or depth") {
