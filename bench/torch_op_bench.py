@@ -116,6 +116,9 @@ VARIANTS = {
 DEFAULT_VARIANTS = ",".join(VARIANTS)
 
 
+BF16_GEMM_VARIANTS = ("lce_amx", "lce_mkl", "lce_widen")  # lce on that bf16 GEMM (set_bf16_gemm)
+
+
 def lce_path(name):
     """lce's variants: a name of VARIANTS, lce_chunk<R>, lce_<M>mib or lce_<bf16 GEMM>."""
     if name in VARIANTS:
@@ -130,9 +133,6 @@ def lce_path(name):
         return VARIANTS["lce"]
     raise SystemExit(f"unknown variant {name!r}: any of {','.join(VARIANTS)}, lce_chunk<R>, lce_<M>mib, "
                      f"{', '.join(BF16_GEMM_VARIANTS)}")
-
-
-BF16_GEMM_VARIANTS = ("lce_amx", "lce_mkl", "lce_widen")
 
 
 def variant(name):

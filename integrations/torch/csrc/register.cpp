@@ -285,7 +285,7 @@ TORCH_LIBRARY(lce, m) {
         lce_torch::op_tags());
   m.def("blas_info() -> str", &lce_torch::blas_info_line);
   m.def("set_keep_workspace(bool keep) -> ()", &lce_torch::set_keep_workspace);
-  m.def("set_bf16_gemm(str kernel) -> str", [](std::string_view kernel) { return lce_torch::set_bf16_gemm(std::string(kernel)); });
+  m.def("set_bf16_gemm(str kernel) -> str", &lce_torch::set_bf16_gemm);
   m.def("built_with_cuda() -> bool", [] { return static_cast<bool>(LCE_TORCH_WITH_CUDA); });
 }
 

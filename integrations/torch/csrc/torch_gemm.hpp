@@ -46,6 +46,7 @@
 #include <cstdlib>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 
 namespace lce_torch {
 
@@ -143,7 +144,7 @@ inline const char* bf16_kernel_name(bf16_kernel kernel) {
 }
 
 // The kernel that runs when `choice` ("amx", "mkl", "widen", or anything else for the default) is asked for.
-inline bf16_kernel resolve_bf16_kernel(const std::string& choice) {
+inline bf16_kernel resolve_bf16_kernel(std::string_view choice) {
   if (choice == "widen") return bf16_kernel::widen;
   const bool amx = lce::detail::amx_bf16_gemm_available(), mkl = torch_mkl::get().bf16_gemm != nullptr;
   if (choice == "mkl" && mkl) return bf16_kernel::mkl;
@@ -224,7 +225,7 @@ struct torch_gemm {
       case detail::bf16_kernel::amx:
         return "lce's AMX kernel (lce/host/detail/amx_bf16_gemm.hpp), dz rounded to bf16";
       case detail::bf16_kernel::widen:
-        return mkl.bf16_gemm ? "widened to fp32 for the BLAS (LCE_TORCH_BF16_GEMM=widen)"
+        return mkl.bf16_gemm ? "widened to fp32 for the BLAS (asked for)"
                              : "widened to fp32 for the BLAS (no MKL bf16 GEMM in this torch)";
       case detail::bf16_kernel::mkl:
         break;
@@ -240,9 +241,9 @@ struct torch_gemm {
 
 // Asks for a bf16 GEMM ("amx", "mkl", "widen", "auto"; between operator calls) and returns the one
 // that now runs.
-inline std::string set_bf16_gemm(const std::string& kernel) {
+inline std::string set_bf16_gemm(std::string_view kernel) {
   if (kernel != "amx" && kernel != "mkl" && kernel != "widen" && kernel != "auto")
-    throw std::invalid_argument("lce_torch.set_bf16_gemm: kernel is \"" + kernel +
+    throw std::invalid_argument("lce_torch.set_bf16_gemm: kernel is \"" + std::string(kernel) +
                                 "\"; expected \"amx\", \"mkl\", \"widen\" or \"auto\"");
   const detail::bf16_kernel chosen = detail::resolve_bf16_kernel(kernel);
   detail::chosen_bf16_kernel().store(chosen, std::memory_order_relaxed);

@@ -24,6 +24,19 @@ def pytest_configure(config):
             raise pytest.UsageError("LCE_TORCH_REQUIRE_CUDA=1, but this lce_torch was built without CUDA")
 
 
+# PyTorch's x86 wheels carry MKL inside libtorch_cpu (lce_torch's GEMMs can call it).
+HAS_MKL = torch.backends.mkl.is_available() and os.uname().machine == "x86_64"
+
+
+def cpuinfo(field):
+    """The words of /proc/cpuinfo's first `field` line ("flags", "vendor_id"), or []."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].split() for line in f if line.startswith(field)), [])
+    except OSError:
+        return []
+
+
 def reference(hidden, weight, targets, *, vocab_start=0, ignore_index=-100, temperature=1.0, softcap=0.0):
     """Materialised float64 reference: logprobs, lse, entropy (0 where ignored), differentiable."""
     # lce's options hold temperature and softcap as float32.

@@ -9,10 +9,9 @@ import pytest
 import torch
 
 import lce_torch
-from conftest import GRAD_TOL, TOL, reference_row_gradients, run_child
+from conftest import GRAD_TOL, HAS_MKL, TOL, cpuinfo, reference_row_gradients, run_child
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-HAS_MKL = torch.backends.mkl.is_available() and os.uname().machine == "x86_64"
 
 # One problem with a ragged chunk and an ignored target; results saved as float64.
 SCRIPT = r"""
@@ -53,14 +52,6 @@ def test_each_fp32_gemm_provider_matches_the_float64_reference(tmp_path, dtype, 
         torch.testing.assert_close(got[key], want[key], **TOL[dtype])
     for key in ("dh", "dw"):
         torch.testing.assert_close(got[key], want[key], **GRAD_TOL[dtype])
-
-
-def cpuinfo(field):
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line.split(":", 1)[1].split() for line in f if line.startswith(field)), [])
-    except OSError:
-        return []
 
 
 @pytest.mark.parametrize("kernels", ["Prescott", "matching"])

@@ -49,7 +49,6 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
 #include <memory>
 
 LCE_BEGIN_NAMESPACE
@@ -210,6 +209,21 @@ LCE_AMX_TARGET inline void pack_a_tile(const strided& a, std::int64_t m, std::in
   }
   transpose_16x16(v);
   for (int r = 0; r < 16; ++r) _mm512_storeu_si512(out + r * 32, v[r]);
+}
+
+// C's 32 x 32 block in tiles 0-3 from or to fp32 rows `ld` floats apart.
+LCE_AMX_TARGET inline void load_c_tiles(const float* from, std::int64_t ld) {
+  _tile_loadd(0, from, ld * 4);
+  _tile_loadd(1, from + 16, ld * 4);
+  _tile_loadd(2, from + 16 * ld, ld * 4);
+  _tile_loadd(3, from + 16 * ld + 16, ld * 4);
+}
+
+LCE_AMX_TARGET inline void store_c_tiles(float* to, std::int64_t ld) {
+  _tile_stored(0, to, ld * 4);
+  _tile_stored(1, to + 16, ld * 4);
+  _tile_stored(2, to + 16 * ld, ld * 4);
+  _tile_stored(3, to + 16 * ld + 16, ld * 4);
 }
 
 // Where the kernel reads the two 16-row tiles of A at step s: a[h] + s * advance, rows `stride` bytes apart.
@@ -384,10 +398,7 @@ LCE_AMX_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int64_t k, 
           if (c_in_place && (!first || beta == 1.0f)) from = c_block, from_ld = ldc;
           if (!c_in_place && !first) from = partial_block, from_ld = cut.columns;
           if (from) {
-            _tile_loadd(0, from, from_ld * 4);
-            _tile_loadd(1, from + 16, from_ld * 4);
-            _tile_loadd(2, from + 16 * from_ld, from_ld * 4);
-            _tile_loadd(3, from + 16 * from_ld + 16, from_ld * 4);
+            load_c_tiles(from, from_ld);
           } else {
             _tile_zero(0);
             _tile_zero(1);
@@ -407,10 +418,7 @@ LCE_AMX_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int64_t k, 
           std::int64_t to_ld = 32;
           if (c_in_place) to = c_block, to_ld = ldc;
           else if (!last) to = partial_block, to_ld = cut.columns;
-          _tile_stored(0, to, to_ld * 4);
-          _tile_stored(1, to + 16, to_ld * 4);
-          _tile_stored(2, to + 16 * to_ld, to_ld * 4);
-          _tile_stored(3, to + 16 * to_ld + 16, to_ld * 4);
+          store_c_tiles(to, to_ld);
           if (!c_in_place && last)
             add_block(block, rows, std::min<std::int64_t>(32, n - col), alpha, beta, c_block, ldc);
         }
@@ -447,8 +455,11 @@ inline void amx_bf16_gemm(transpose ta, transpose tb, std::int64_t m, std::int64
 
 inline bool amx_bf16_gemm_available() { return false; }
 
+// Never called: amx_bf16_gemm_available() is false here.
 inline void amx_bf16_gemm(transpose, transpose, std::int64_t, std::int64_t, std::int64_t, float, const bfloat16*,
-                          std::int64_t, const bfloat16*, std::int64_t, float, float*, std::int64_t) {}
+                          std::int64_t, const bfloat16*, std::int64_t, float, float*, std::int64_t) {
+  std::abort();
+}
 
 #endif
 
