@@ -22,6 +22,9 @@
 //   dnnl bf16 x2   dz kept to 16 bits as two bf16 parts hi + lo, two GEMMs each for dX, dW
 //   dnnl f32xbf16  dz kept fp32, W or X bf16 (only if this oneDNN has the mixed kernel)
 //   dnnl f32       oneDNN's own f32 matmul (for scale)
+//   lce bf16 ops   lce::host_bf16_operands (lce::cblas_gemm_bf16_operands): the host
+//                  backend's tiles, all three GEMMs on the chosen bf16 kernel, dz rounded
+//                  to bf16 once per chunk (in `dz->bf16`)
 //   lce amx        lce's own AMX kernel (lce/host/detail/amx_bf16_gemm.hpp, lce_torch's
 //                  LCE_TORCH_BF16_GEMM=amx), dz rounded to bf16 as in `dnnl bf16`, one
 //                  single-threaded call per tile from OpenMP's threads as lce's host backend
@@ -204,11 +207,13 @@ int main(int argc, char** argv) {
   for (long long threads : cfg.threads) {
     omp_set_num_threads(int(threads));
     lce::host host{int(threads)};
+    lce::host_bf16_operands ops_host{int(threads)};
     std::vector<float> block(std::size_t(host.weight_block_elements<bf16_t>(H, V)));
     using cf = const float;
     using cb = const bf16_t;
     const matrix_view<cb> Xb{xb.data(), C, H, H}, Wb{wb.data(), V, H, H};
     const matrix_view<cf> Xf{xf.data(), C, H, H}, Wf{wf.data(), V, H, H}, Dz{dz.data(), C, V, V};
+    const matrix_view<cb> Dzb{dzb.data(), C, V, V};
     const matrix_view<float> Z{z.data(), C, V, V}, DX{dx.data(), C, H, H}, DW{dw.data(), V, H, H},
         XW{xw.data(), C, H, H};
 
@@ -265,6 +270,12 @@ int main(int argc, char** argv) {
     if (dx_f) work.push_back({"dnnl f32", "dX", [&] { dx_f->run(eng, stream, dz.data(), wf.data(), dx.data()); }});
     if (dw_f) work.push_back({"dnnl f32", "dW", [&] { dw_f->run(eng, stream, dz.data(), xf.data(), dw.data()); }});
 
+    // lce::host_bf16_operands: the host backend's own tiles over the same bf16 kernel, dz
+    // rounded to bf16 by the backend (as the engine does once per chunk).
+    work.push_back({"lce bf16 ops", "logits", [&] { ops_host.logits<bf16_t, bf16_t>(Xb, Wb, 1.0f, Z, nullptr); }});
+    work.push_back({"lce bf16 ops", "dz->bf16", [&] { ops_host.copy(Dz, matrix_view<bf16_t>{dzb.data(), C, V, V}); }});
+    work.push_back({"lce bf16 ops", "dX", [&] { ops_host.grad_hidden<bf16_t, bf16_t>(Dzb, Wb, 1.0f, DX, nullptr); }});
+    work.push_back({"lce bf16 ops", "dW", [&] { ops_host.grad_weight<bf16_t>(Dzb, Xb, 1.0f, DW); }});
     if (lce::detail::amx_bf16_gemm_available()) {
       work.push_back({"lce amx", "logits", [&] { amx_logits(xb.data(), wb.data(), z.data()); }});
       work.push_back({"lce amx", "dz->bf16", [&] { host.copy(Dz, matrix_view<bf16_t>{dzb.data(), C, V, V}); }});
@@ -306,7 +317,7 @@ int main(int argc, char** argv) {
       if (cols.count("dz->bf16")) std::snprintf(conv, sizeof conv, "%.1f", cols["dz->bf16"]);
       std::printf("| %-14s | %15s | %15s | %15s | %9s | %9.1f |\n", row.c_str(), cell("logits").c_str(),
                   cell("dX").c_str(), cell("dW").c_str(), conv, sum);
-      if (row.rfind("dnnl bf16", 0) == 0 || row == "lce amx")
+      if (row.rfind("dnnl bf16", 0) == 0 || row == "lce amx" || row == "lce bf16 ops")
         std::printf("|   lce bf16 / %s, whole sweep: %.2fx |\n", row.c_str(), base / sum);
     }
     std::fflush(stdout);
@@ -364,6 +375,20 @@ int main(int argc, char** argv) {
     b->run(eng, stream, dz_hi.data(), xb.data(), r.dw.data());
     b->run(eng, stream, dz_lo.data(), xb.data(), r.dw.data());
     got["dnnl bf16 x2 (dz hi+lo)"] = std::move(r);
+  }
+  {
+    results r = fresh();
+    lce::host_bf16_operands ops_host{int(cfg.threads.back())};
+    ops_host.logits<bf16_t, bf16_t>(matrix_view<const bf16_t>{xb.data(), C, H, H},
+                                    matrix_view<const bf16_t>{wb.data(), V, H, H}, 1.0f,
+                                    matrix_view<float>{r.z.data(), C, V, V}, nullptr);
+    ops_host.grad_hidden<bf16_t, bf16_t>(matrix_view<const bf16_t>{dzb.data(), C, V, V},
+                                         matrix_view<const bf16_t>{wb.data(), V, H, H}, 1.0f,
+                                         matrix_view<float>{r.dx.data(), C, H, H}, nullptr);
+    ops_host.grad_weight<bf16_t>(matrix_view<const bf16_t>{dzb.data(), C, V, V},
+                                 matrix_view<const bf16_t>{xb.data(), C, H, H}, 1.0f,
+                                 matrix_view<float>{r.dw.data(), V, H, H});
+    got["lce bf16 ops (dz rounded)"] = std::move(r);
   }
   if (lce::detail::amx_bf16_gemm_available()) {
     results r = fresh();

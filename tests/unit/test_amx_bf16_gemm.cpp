@@ -9,10 +9,12 @@
 
 #include <doctest/doctest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <random>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -131,4 +133,37 @@ TEST_CASE("AMX bf16 GEMM: an empty C or depth") {
   CHECK(c == std::vector<float>{0.0f, 0.0f, 0.0f, 0.0f});
   lce::detail::amx_bf16_gemm(transpose::no, transpose::no, 0, 2, 5, 1.0f, &none, 1, &none, 2, 0.0f, c.data(), 2);
   CHECK(c == std::vector<float>{0.0f, 0.0f, 0.0f, 0.0f});
+}
+
+TEST_CASE("AMX bf16 GEMM: its scratch per thread stays within amx_bf16_gemm_scratch_bytes") {
+  if (!lce::detail::amx_bf16_gemm_available()) {
+    MESSAGE("skipped: this CPU (or OS) gives no AMX tiles, so lce's AMX kernel does not run here");
+    return;
+  }
+  // A fresh thread, so that its scratch starts empty. Shallow and wide (each 16-column stream
+  // padded to 4 KiB), deep with ragged blocks and alpha != 1 (the sum between depth blocks
+  // goes through C, not scratch), tall (C's rows never in scratch), and A packed at depth
+  // 1,024 over 512 columns, which takes the whole bound.
+  const problem problems[] = {
+      {32, 20000, 32, transpose::no, transpose::yes, 1.0f, 0.0f},
+      {16, 9000, 100, transpose::yes, transpose::no, 0.5f, 1.0f},
+      {70, 600, 5000, transpose::no, transpose::no, -0.5f, 1.0f},
+      {2100, 40, 3000, transpose::no, transpose::no, 2.0f, 0.0f},
+      {64, 700, 1024, transpose::no, transpose::yes, 1.0f, 0.0f, true},
+  };
+  std::size_t largest = 0;
+  bool within = true, correct = true;
+  std::thread([&] {
+    std::mt19937 rng(11);
+    for (const problem& p : problems) {
+      correct = correct && run(p, rng) <= 1.0;
+      const std::size_t held = lce::detail::amx_bf16_gemm_thread_scratch_bytes();
+      within = within && held <= lce::detail::amx_bf16_gemm_scratch_bytes;
+      largest = std::max(largest, held);
+    }
+  }).join();
+  CHECK(correct);
+  CHECK(within);
+  CHECK(largest == lce::detail::amx_bf16_gemm_scratch_bytes);  // the bound is reached, not loose
+  CHECK(lce::detail::amx_bf16_gemm_scratch_bytes == 1156 * 1024);
 }

@@ -112,6 +112,28 @@ struct bf16_operands_env {
   static constexpr double gradient_operand_floor = std::is_same_v<T, lce::bfloat16> ? 0x1p-134 : 0.0;
 };
 
+// lce's own provider with bf16_operands (lce::host_bf16_operands): the chosen bf16 kernel
+// (lce's AMX kernel on this CPU if it has AMX, oneDNN where linked and AMX is missing, else
+// widening), with the same tolerance for dz's rounding.
+struct cblas_bf16_operands_env {
+  static constexpr const char* name = "lce::host_bf16_operands";
+
+  template <class T, class Chunk = lce::budget_chunk>
+  static lce::ChunkedHiddenToLogprobs<lce::comm::single, T, Chunk, lce::host_bf16_operands> make_op(
+      const lce::options& opt, int threads = 0) {
+    return lce::ChunkedHiddenToLogprobs<lce::comm::single, T, Chunk, lce::host_bf16_operands>(
+        lce::comm::single{}, opt, lce::host_bf16_operands(threads));
+  }
+
+  template <class T>
+  static constexpr double gradient_operand_unit = bf16_operands_env::gradient_operand_unit<T>;
+  template <class T>
+  static constexpr double gradient_operand_floor = bf16_operands_env::gradient_operand_floor<T>;
+};
+
+static_assert(lce::gemm_reads_bf16_operands<lce::cblas_gemm_bf16_operands>);
+static_assert(std::is_same_v<lce::gemm_operand_t<lce::host_bf16_operands, lce::bfloat16>, lce::bfloat16>);
+
 // Runs body() and checks which GEMMs it called: bf16 ones only for a bfloat16 operator.
 template <class T, class Body>
 void expect_gemms(Body&& body) {
@@ -303,4 +325,20 @@ TEST_CASE("bf16 operands: dX goes to the bf16 GEMM in tiles of at least 512 x 51
   loop_gemm(lce::transpose::no, lce::transpose::no, rows, cols, depth, 1.0f, dz.data(), depth, w.data(), cols, 0.0f,
             want.data(), cols);
   CHECK(dx == want);  // the same sums in the same order, tile by tile
+}
+
+TEST_CASE_TEMPLATE("lce::host_bf16_operands: forward, backward and forward_backward match the reference", T,
+                   LCE_BF16_OPERAND_TYPES) {
+  MESSAGE("bf16 GEMMs: " << lce::blas_info().bf16_gemm);
+  cases::forward_matches_reference<cblas_bf16_operands_env, T>();
+  cases::backward_matches_reference<cblas_bf16_operands_env, T>();
+  cases::forward_backward_matches_reference<cblas_bf16_operands_env, T>();
+  cases::forward_backward_equals_two_calls<cblas_bf16_operands_env, T>();
+}
+
+TEST_CASE_TEMPLATE("lce::host_bf16_operands: several GEMM tiles, strided buffers, target sets", T,
+                   LCE_BF16_OPERAND_TYPES) {
+  cases::gradients_over_several_tiles<cblas_bf16_operands_env, T>();
+  cases::strided_buffers<cblas_bf16_operands_env, T>();
+  cases::target_sets_gradients<cblas_bf16_operands_env, T>();
 }

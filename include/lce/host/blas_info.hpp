@@ -16,13 +16,11 @@
 // query functions), so it tells what is really loaded, whatever cblas.h was
 // compiled against: OpenBLAS (openblas_get_config / openblas_get_corename),
 // BLIS (bli_info_get_version_str / bli_arch_string) or MKL (MKL_Get_Version).
-// It needs nothing of lce but config.hpp. lce's default GEMM provider
+// It needs nothing of lce but config.hpp and the bf16 GEMM choice (for its bf16_gemm line). lce's default GEMM provider
 // (cblas_gemm.hpp) includes it for the one-time warning below.
 
 #include <lce/core/config.hpp>
-#if LCE_HOST_BF16_GEMM_ONEDNN
-#include <lce/host/detail/onednn_gemm.hpp>
-#endif
+#include <lce/host/detail/bf16_gemm_choice.hpp>
 
 #include <strings.h>
 
@@ -303,13 +301,7 @@ inline blas_report blas_info() {
   }
 #endif
   blas_detail::recommend(r);
-#if LCE_HOST_BF16_GEMM_ONEDNN
-  r.bf16_gemm = detail::onednn_bf16_gemm_available()
-                    ? detail::onednn_bf16_gemm_description()
-                    : "widened to fp32 for the BLAS (" + detail::onednn_bf16_gemm_description() + " has no bf16 instructions here)";
-#else
-  r.bf16_gemm = "widened to fp32 for the BLAS";
-#endif
+  r.bf16_gemm = detail::bf16_gemm_description(detail::chosen_bf16_gemm_kernel());
   return r;
 }
 

@@ -1,19 +1,20 @@
 #pragma once
 // lce's default GEMM provider (see gemm_provider.hpp): the CBLAS lce links
-// (OpenBLAS, BLIS, MKL, ...), one single-threaded call per GEMM tile, and with
-// LCE_BF16_GEMM=onednn (LCE_HOST_BF16_GEMM_ONEDNN) oneDNN's bf16 x bf16 -> fp32
-// matmul for bfloat16 weights on CPUs with bf16 instructions. Its first operator
+// (OpenBLAS, BLIS, MKL, ...), one single-threaded call per GEMM tile, and for a
+// bfloat16 weight's logits and dX a bf16 x bf16 -> fp32 GEMM where the CPU has
+// bf16 instructions: lce's AMX kernel, else oneDNN's matmul in builds that link
+// it (detail/bf16_gemm_choice.hpp; dz still reaches it as hi + lo, so the
+// gradients keep 16 significant bits of dz). Its first operator
 // call in a process warns once on std::cerr when the BLAS runs kernels below the CPU's class
 // (blas_info.hpp; LCE_NO_BLAS_WARNING=1 hides it).
 
 #include <lce/core/config.hpp>
 #include <lce/core/dtypes.hpp>
 #include <lce/host/blas_info.hpp>
+#include <lce/host/detail/bf16_gemm_choice.hpp>
 #include <lce/host/detail/blas.hpp>
+#include <lce/host/detail/widening_bf16_gemm.hpp>
 #include <lce/host/gemm_provider.hpp>
-#if LCE_HOST_BF16_GEMM_ONEDNN
-#include <lce/host/detail/onednn_gemm.hpp>
-#endif
 
 #include <concepts>
 #include <cstdint>
@@ -34,23 +35,37 @@ struct cblas_gemm {
     detail::gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
 
-#if LCE_HOST_BF16_GEMM_ONEDNN
-  bool bf16_gemm_available() const { return detail::onednn_bf16_gemm_available(); }
+  bool bf16_gemm_available() const { return detail::chosen_bf16_gemm_kernel() != detail::bf16_gemm_kernel::widen; }
 
   void bf16_gemm(transpose ta, transpose tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
                  const bfloat16* a, std::int64_t lda, const bfloat16* b, std::int64_t ldb, float beta, float* c,
                  std::int64_t ldc) const {
-    // oneDNN takes each operand as [rows, cols] with a stride per dimension.
-    const bool at = ta == transpose::yes, bt = tb == transpose::yes;
-    detail::onednn_bf16_gemm(m, n, k, alpha, a, at ? 1 : lda, at ? lda : 1, b, bt ? 1 : ldb, bt ? ldb : 1, beta, c,
-                             ldc);
+    detail::run_bf16_gemm(detail::chosen_bf16_gemm_kernel(), ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
-#endif
+};
+
+// cblas_gemm with bf16_operands (gemm_provider.hpp): a bfloat16 operator runs all three
+// GEMMs of a chunk as bf16 x bf16 -> fp32, the hidden rows as stored and dz rounded once to
+// bf16, as GPU fused losses and lce_torch do: 1.5e-3 relative (rms) in dX and dW instead of
+// hi + lo's 2.3e-6, for about 2.6x the speed of hi + lo on AMX (README, "bf16 GEMMs").
+// Where this CPU has no bf16 kernel it widens inside bf16_gemm (same results up to the order
+// of the sums). lce::host_bf16_operands is the backend.
+struct cblas_gemm_bf16_operands : cblas_gemm {
+  static constexpr bool bf16_operands = true;
+
+  void bf16_gemm(transpose ta, transpose tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
+                 const bfloat16* a, std::int64_t lda, const bfloat16* b, std::int64_t ldb, float beta, float* c,
+                 std::int64_t ldc) const {
+    const detail::bf16_gemm_kernel kernel = detail::chosen_bf16_gemm_kernel();
+    if (kernel != detail::bf16_gemm_kernel::widen)
+      return detail::run_bf16_gemm(kernel, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    detail::widening_bf16_gemm(
+        [](auto... args) { detail::gemm(args...); }, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  }
 };
 
 static_assert(gemm_provider<cblas_gemm>);
-#if LCE_HOST_BF16_GEMM_ONEDNN
 static_assert(bf16_gemm_provider<cblas_gemm>);
-#endif
+static_assert(gemm_reads_bf16_operands<cblas_gemm_bf16_operands>);
 
 LCE_END_NAMESPACE

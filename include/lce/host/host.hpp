@@ -136,7 +136,7 @@ class basic_host {
   void deallocate(void* pointer, std::size_t) { ::operator delete(pointer, std::align_val_t{alignment}); }
 
   // ---- GEMMs ----------------------------------------------------------------
-  // With a provider's bf16 GEMM (lce::cblas_gemm: LCE_BF16_GEMM=onednn), a
+  // With a provider's bf16 GEMM (lce::cblas_gemm: lce's AMX kernel or oneDNN), a
   // bfloat16 weight's logits and dX GEMMs run as bf16 x bf16 -> fp32 GEMMs
   // (bf16_logits, bf16_grad_hidden) when bf16_gemm_available(), in the same
   // scratch and still tiled by the shapes alone; otherwise as below.
@@ -858,7 +858,10 @@ class basic_host {
 
 // The CPU backend with the BLAS lce links.
 using host = basic_host<cblas_gemm>;
+// The same, with a bfloat16 operator's three GEMMs on bf16 operands (dz rounded once to bf16).
+using host_bf16_operands = basic_host<cblas_gemm_bf16_operands>;
 
 static_assert(backend<host>);
+static_assert(backend<host_bf16_operands>);
 
 LCE_END_NAMESPACE

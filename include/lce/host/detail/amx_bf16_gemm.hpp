@@ -9,18 +9,23 @@
 // cblas_gemm_bf16bf16f32 ran 103 ms and the oneDNN 3.2 wheel 107 ms on two
 // threads, while PyTorch's own bf16 matmuls (a newer oneDNN inside
 // libtorch_cpu, bf16 out, not callable with an fp32 output) ran 64 ms. This
-// kernel runs them in 66-71 ms (bench/bf16_gemm.cpp's `lce amx` rows), and
-// lce_torch's bf16 GEMMs run on it on CPUs with AMX. The host backend's
-// default provider (cblas_gemm) does not use it yet: its thread-local scratch
-// (up to about 3 MiB per thread) is not in lce's workspace plan.
+// kernel runs them in 66-71 ms (bench/bf16_gemm.cpp's `lce amx` rows). The
+// host backend's default provider (cblas_gemm, through bf16_gemm_choice.hpp)
+// and lce_torch run their bf16 GEMMs on it on CPUs with AMX.
+//
+// Memory: packed B and packed A live in scratch of the calling thread's, kept
+// for reuse like a BLAS's own buffers, at most amx_bf16_gemm_scratch_bytes
+// (1,156 KiB) whatever the shapes; C is never copied, so the scratch does not
+// grow with the rows of a call.
 //
 // Each TDPBF16PS multiplies a 16 x 32 bf16 tile of A by a 32 x 16 tile of B
 // and adds into a 16 x 16 fp32 tile: products of bf16 values are exact in
 // fp32 and every sum is an fp32 sum, as the provider contract asks. The
 // kernel keeps a 32 x 32 block of C in four tiles over a depth block (up to
-// 1,024; C itself, or scratch for ragged blocks, holds the sum between
-// blocks), then writes it to C (alpha, beta, masks for ragged edges), so the
-// order of the sums depends on the shapes only.
+// 1,024), then writes it to C: whole blocks with alpha = 1 and beta 0 or 1 as
+// they are (the next depth block reloads them), other blocks as alpha times
+// the depth block's sum added into C (beta C at the first, masks for ragged
+// edges). The order of the sums depends on the shapes only.
 //
 // Operand layouts. A tile row must hold 32 consecutive k of one row of A:
 // an A whose k runs along memory (transpose::no) is loaded in place unless
@@ -47,9 +52,11 @@
 #endif
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <new>
 
 LCE_BEGIN_NAMESPACE
 namespace detail {
@@ -278,46 +285,89 @@ LCE_AMX_TARGET inline void add_block(const float* block, std::int64_t rows, std:
 
 // Scratch of this thread's, grown to the largest call and kept (left uninitialised: the
 // pages a call does not touch are never mapped), 4 KiB-aligned so that packed tiles sit
-// on whole cache lines and their L1 sets are known (see gemm).
-template <class Element, int Slot>
-Element* thread_scratch(std::size_t elements) {
+// on whole cache lines and their L1 sets are known (see gemm). Slot 0 holds packed B,
+// slot 1 packed A; `bytes` says how much this thread holds.
+struct thread_scratch {
+  template <int Slot>
+  static u16* get(std::size_t elements) {
+    slot& s = slots()[Slot];
+    if (s.capacity < elements) {
+      s.memory.reset();
+      s.capacity = 0;
+      const std::size_t bytes = (elements * sizeof(u16) + 4095) / 4096 * 4096;
+      s.memory.reset(std::aligned_alloc(4096, bytes));
+      if (!s.memory) throw std::bad_alloc();
+      s.capacity = elements;
+    }
+    return static_cast<u16*>(s.memory.get());
+  }
+
+  static std::size_t bytes() {
+    std::size_t total = 0;
+    for (const slot& s : slots()) total += s.memory ? (s.capacity * sizeof(u16) + 4095) / 4096 * 4096 : 0;
+    return total;
+  }
+
+ private:
   struct aligned_free {
     void operator()(void* p) const { std::free(p); }
   };
-  thread_local std::unique_ptr<void, aligned_free> scratch;
-  thread_local std::size_t capacity = 0;
-  if (capacity < elements) {
-    scratch.reset();
-    const std::size_t bytes = (elements * sizeof(Element) + 4095) / 4096 * 4096;
-    scratch.reset(std::aligned_alloc(4096, bytes));
-    capacity = elements;
+  struct slot {
+    std::unique_ptr<void, aligned_free> memory;
+    std::size_t capacity = 0;
+  };
+  static std::array<slot, 2>& slots() {
+    thread_local std::array<slot, 2> held;
+    return held;
   }
-  return static_cast<Element*>(scratch.get());
-}
+};
+
+// Packed B's columns are capped so that it and packed A stay within this per thread,
+// whatever the shapes (amx_bf16_gemm_scratch_bytes).
+inline constexpr std::int64_t packed_b_bytes_max = 1088 * 1024;
+inline constexpr std::int64_t kib = 512;  // u16 elements in 1 KiB
 
 // How one call is cut: depth blocks of `depth` k (a multiple of 32) and column blocks of
 // `columns` (a multiple of 32). Packed B is columns x depth; A's rows, when read in
-// place, are re-read once per column block, and C once per depth block.
+// place, are re-read once per column block, and C once per depth block. Each 16-column
+// stream of packed tiles is `stream` elements, padded to whole 4 KiB so that streams
+// start 1 KiB apart modulo 4 KiB: A halves at 0 and 1 KiB, B's column pairs at 2 and 3
+// KiB, and the four tiles of a step fall in different L1 sets. `pair_stride` is the
+// elements of one 32-column panel of packed B (two streams and the 1 KiB offsets).
 struct blocking {
-  std::int64_t depth, columns;
+  std::int64_t depth, columns, stream, pair_stride;
 
   static blocking choose(std::int64_t n, std::int64_t k, bool a_in_place) {
     const std::int64_t n32 = (n + 31) / 32 * 32, k32 = (k + step - 1) / step * step;
+    std::int64_t depth = 0, columns = 0;
     if (!a_in_place) {
       // A is packed per row block and column block: as many columns as 1 MiB of packed B
       // holds, so that A is packed once for all of them where it can be.
-      const std::int64_t depth = std::min<std::int64_t>(k32, 1024);
-      return {depth, std::clamp<std::int64_t>((std::int64_t{1} << 19) / depth / 32 * 32, 32, n32)};
+      depth = std::min<std::int64_t>(k32, 1024);
+      columns = std::clamp<std::int64_t>((std::int64_t{1} << 19) / depth / 32 * 32, 32, n32);
+    } else if (k32 <= 1024) {
+      // A read in place. Up to 1,024 deep, one depth block (C written once: the logits' C is
+      // larger than the caches) and 128 K elements of packed B (256 KiB, in L2).
+      depth = k32;
+      columns = std::clamp<std::int64_t>((std::int64_t{1} << 17) / k32 / 32 * 32, 32, n32);
+    } else {
+      // Deeper (dX: the whole vocabulary against one [rows, 512] piece of dX, which stays in
+      // L2), blocks of 1,024 k across 512 columns, so that A, from memory, is read once. Each
+      // depth block stores and reloads C's tiles, which drains the multiplier: at depth
+      // 32,000, [512, 512] of dX took 43 ms in blocks of 256 k, 32 in blocks of 512 and 28 in
+      // blocks of 1,024.
+      depth = 1024;
+      columns = std::min<std::int64_t>(512, n32);
     }
-    // A read in place. Up to 1,024 deep, one depth block (C written once: the logits' C is
-    // larger than the caches) and 128 K elements of packed B (256 KiB, in L2). Deeper (dX:
-    // the whole vocabulary against one [rows, 512] piece of dX, which stays in L2), blocks
-    // of 1,024 k across 512 columns, so that A, from memory, is read once. Each depth block
-    // stores and reloads C's tiles, which drains the multiplier: at depth 32,000, [512, 512]
-    // of dX took 43 ms in blocks of 256 k, 32 in blocks of 512 and 28 in blocks of 1,024.
-    if (k32 <= 1024) return {k32, std::clamp<std::int64_t>((std::int64_t{1} << 17) / k32 / 32 * 32, 32, n32)};
-    return {1024, std::min<std::int64_t>(512, n32)};
+    const std::int64_t stream = (depth / step * kib + 4 * kib - 1) / (4 * kib) * (4 * kib);
+    const std::int64_t pair_stride = 2 * stream + 4 * kib;
+    // Shallow blocks pad each stream to 4 KiB: cap the panels by their padded bytes.
+    const std::int64_t panels_max = std::max<std::int64_t>(1, packed_b_bytes_max / 2 / pair_stride);
+    return {depth, std::min(columns, 32 * panels_max), stream, pair_stride};
   }
+
+  std::int64_t packed_b_elements() const { return columns / 32 * pair_stride; }
+  std::int64_t packed_a_elements() const { return 2 * stream + 2 * kib; }
 };
 
 // C[m, n] = alpha A[m, k] B[k, n] + beta C, A and B by their strides, C row-major with ldc.
@@ -330,26 +380,17 @@ LCE_AMX_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int64_t k, 
   // one thread instead of 575-619.
   const bool a_in_place = a.col == 1 && (a.row * 2) % 512 != 0;
   const blocking cut = blocking::choose(n, k, a_in_place);
-  const std::int64_t block_steps = cut.depth / step, panels = cut.columns / 32;
-  // Streams of packed tiles start 1 KiB apart modulo 4 KiB, so that the four tiles of a step
-  // fall in different L1 sets: A halves at 0 and 1 KiB, B's column pairs at 2 and 3 KiB.
-  const std::int64_t kib = 512, stream = (block_steps * kib + 4 * kib - 1) / (4 * kib) * (4 * kib);
-  const bool several_depth_blocks = k > cut.depth;
+  const std::int64_t panels = cut.columns / 32;
   // Whole 32 x 32 blocks of C with alpha = 1 and beta 0 or 1 go to and from the tiles as they
-  // are; other blocks (ragged edges, alpha != 1) sum over depth blocks in `partial`.
+  // are; other blocks (ragged edges, alpha != 1) go through `block` and are added into C
+  // after each depth block (alpha times the block's sum, plus beta C after the first).
   const bool c_in_place_allowed = alpha == 1.0f && (beta == 0.0f || beta == 1.0f);
-  const bool every_block_in_place = c_in_place_allowed && m % 32 == 0 && n % 32 == 0;
-  const std::int64_t rows_padded = (m + 31) / 32 * 32;
-  const std::int64_t pair_stride = 2 * stream + 4 * kib;
-  u16* const b_pack = thread_scratch<u16, 0>(static_cast<std::size_t>(panels * pair_stride));
-  u16* const a_pack = thread_scratch<u16, 1>(static_cast<std::size_t>(2 * stream + 2 * kib));
+  u16* const b_pack = thread_scratch::get<0>(static_cast<std::size_t>(cut.packed_b_elements()));
+  u16* const a_pack = thread_scratch::get<1>(static_cast<std::size_t>(cut.packed_a_elements()));
   const auto b_stream = [&](std::int64_t j) {  // the packed tiles of B's columns 16 j .. 16 j + 15
-    return b_pack + j / 2 * pair_stride + 2 * kib + (j % 2) * (stream + kib);
+    return b_pack + j / 2 * cut.pair_stride + 2 * kib + (j % 2) * (cut.stream + kib);
   };
-  u16* const a_half[2] = {a_pack, a_pack + stream + kib};
-  float* const partial = several_depth_blocks && !every_block_in_place
-                             ? thread_scratch<float, 2>(static_cast<std::size_t>(rows_padded * cut.columns))
-                             : nullptr;
+  u16* const a_half[2] = {a_pack, a_pack + cut.stream + kib};
   alignas(64) float block[32 * 32];
 
   load_tile_config();
@@ -358,7 +399,7 @@ LCE_AMX_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int64_t k, 
     for (std::int64_t k0 = 0; k0 < k; k0 += cut.depth) {
       const std::int64_t kb = std::min(cut.depth, k - k0);
       const std::int64_t steps = (kb + step - 1) / step, full_steps = kb / step;
-      const bool first = k0 == 0, last = k0 + cut.depth >= k;
+      const bool first = k0 == 0;
       // Along memory: each row of B (the rows of a column-contiguous B, else its columns) in one pass.
       if (b.col == 1) {
         for (std::int64_t s = 0; s < steps; ++s)
@@ -390,15 +431,10 @@ LCE_AMX_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int64_t k, 
           const std::int64_t col = n0 + p * 32;
           const bool c_in_place = c_in_place_allowed && rows == 32 && n - col >= 32;
           float* const c_block = c + m0 * ldc + col;
-          float* const partial_block = partial ? partial + m0 * cut.columns + p * 32 : nullptr;
-          // Where this block's sum so far is, if anywhere: C (in place, beta = 1 or a later depth
-          // block), `partial` (a later depth block of another block), or nowhere (zero).
-          const float* from = nullptr;
-          std::int64_t from_ld = 0;
-          if (c_in_place && (!first || beta == 1.0f)) from = c_block, from_ld = ldc;
-          if (!c_in_place && !first) from = partial_block, from_ld = cut.columns;
-          if (from) {
-            load_c_tiles(from, from_ld);
+          // In place, the tiles start from C's sum so far (beta = 1, or a later depth block);
+          // otherwise from zero, this depth block's sum going through `block`.
+          if (c_in_place && (!first || beta == 1.0f)) {
+            load_c_tiles(c_block, ldc);
           } else {
             _tile_zero(0);
             _tile_zero(1);
@@ -414,13 +450,12 @@ LCE_AMX_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int64_t k, 
           } else {
             multiply_steps(packed, b0, b1, steps);
           }
-          float* to = block;
-          std::int64_t to_ld = 32;
-          if (c_in_place) to = c_block, to_ld = ldc;
-          else if (!last) to = partial_block, to_ld = cut.columns;
-          store_c_tiles(to, to_ld);
-          if (!c_in_place && last)
-            add_block(block, rows, std::min<std::int64_t>(32, n - col), alpha, beta, c_block, ldc);
+          if (c_in_place) {
+            store_c_tiles(c_block, ldc);
+          } else {
+            store_c_tiles(block, 32);
+            add_block(block, rows, std::min<std::int64_t>(32, n - col), alpha, first ? beta : 1.0f, c_block, ldc);
+          }
         }
       }
     }
@@ -428,7 +463,19 @@ LCE_AMX_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int64_t k, 
   _tile_release();
 }
 
+// The most packed A takes: two streams of a 1,024-deep block and their offsets, in 4 KiB.
+inline constexpr std::int64_t packed_a_bytes_max = (2 * (2 * (1024 / step) * kib + 2 * kib) + 4095) / 4096 * 4096;
+
 }  // namespace amx
+
+// The most scratch the kernel holds on a thread that has called it, whatever the shapes:
+// packed B and packed A, grown to the largest call and kept (reused) for the thread's life,
+// as a BLAS keeps its own buffers. 1,156 KiB; C is never copied.
+inline constexpr std::size_t amx_bf16_gemm_scratch_bytes =
+    static_cast<std::size_t>(amx::packed_b_bytes_max + amx::packed_a_bytes_max);
+
+// What the kernel holds on the calling thread now.
+inline std::size_t amx_bf16_gemm_thread_scratch_bytes() { return amx::thread_scratch::bytes(); }
 
 // Row-major C[m, n] = alpha op(A) op(B) + beta C on AMX tiles (amx_bf16_gemm_available() must
 // hold); beta = 0 overwrites C. The provider contract's bf16_gemm.
@@ -454,6 +501,8 @@ inline void amx_bf16_gemm(transpose ta, transpose tb, std::int64_t m, std::int64
 #else
 
 inline bool amx_bf16_gemm_available() { return false; }
+inline constexpr std::size_t amx_bf16_gemm_scratch_bytes = 0;
+inline std::size_t amx_bf16_gemm_thread_scratch_bytes() { return 0; }
 
 // Never called: amx_bf16_gemm_available() is false here.
 inline void amx_bf16_gemm(transpose, transpose, std::int64_t, std::int64_t, std::int64_t, float, const bfloat16*,
