@@ -527,7 +527,7 @@ TEST_CASE_TEMPLATE("one-chunk calls add dW tiles straight into a narrower grad_w
 // core/dtypes.hpp, at every length (whole packs and the tail), for ties,
 // NaNs (signalling ones made quiet), infinities, overflow to infinity,
 // signed zeros and subnormals.
-TEST_CASE("convert_span / add_span float -> bf16: the scalar rounding's bits, specials included") {
+TEST_CASE("convert_span / add_span / split_to_bf16 float -> bf16: the scalar rounding's bits, specials included") {
   std::vector<std::uint32_t> patterns = {0x00000000u, 0x80000000u, 0x3f808000u, 0x3f818000u, 0x3f80ffffu, 0x7f800000u,
                                          0xff800000u, 0x7f7fffffu, 0xff7fffffu, 0x7f800001u, 0x7fc00000u, 0xffbfffffu,
                                          0x00000001u, 0x807fffffu, 0x00400000u, 0x3f7fffffu, 0x477fff00u};
@@ -557,10 +557,16 @@ TEST_CASE("convert_span / add_span float -> bf16: the scalar rounding's bits, sp
     for (std::size_t j = 0; j < n; ++j) sums[j] = lce::bfloat16(source[(j * 7 + 3) % source.size()]);
     std::vector<lce::bfloat16> before = sums;
     lce::detail::add_span(source.data(), sums.data(), static_cast<std::int64_t>(n));
+    std::vector<lce::bfloat16> hi(n), lo(n);
+    lce::detail::split_to_bf16(source.data(), hi.data(), lo.data(), static_cast<std::int64_t>(n));
     for (std::size_t j = 0; j < n; ++j) {
       CAPTURE(j);
       CHECK(bits_of(rounded[j]) == bits_of(lce::bfloat16(source[j])));
       CHECK(bits_of(sums[j]) == bits_of(lce::bfloat16(static_cast<float>(before[j]) + source[j])));
+      // dz's split: hi = bf16(x), lo = bf16(x - hi), lo = 0 where hi is infinite or NaN.
+      const float high = static_cast<float>(lce::bfloat16(source[j]));
+      CHECK(bits_of(hi[j]) == bits_of(lce::bfloat16(source[j])));
+      CHECK(bits_of(lo[j]) == bits_of(lce::bfloat16(std::isfinite(high) ? source[j] - high : 0.0f)));
     }
   }
 }

@@ -114,8 +114,30 @@ inline bool round_to_bf16_exact(const float* from, bfloat16* to, std::int64_t n)
 
 // hi[i] + lo[i] = from[i] to 16 significant bits: hi = bf16(from), lo = bf16(from - hi)
 // (lo = 0 where hi is not finite).
-inline void split_to_bf16(const float* from, bfloat16* hi, bfloat16* lo, std::int64_t n) {
-  for (std::int64_t i = 0; i < n; ++i) {
+inline void split_to_bf16(const float* LCE_RESTRICT from, bfloat16* LCE_RESTRICT hi, bfloat16* LCE_RESTRICT lo,
+                          std::int64_t n) {
+  std::int64_t i = 0;
+#if LCE_VECTOR_PACKS
+  constexpr int lanes = pack_lanes<float>;
+  using bits_pack = pack<std::uint32_t>;
+  for (; i + lanes <= n; i += lanes) {
+    const pack<float> value = load_pack(from + i);
+    const bf16_bits_pack high_bits = round_pack_to_bf16(value);
+    std::memcpy(hi + i, &high_bits, sizeof high_bits);
+    const pack<float> high = widen_bf16_pack(hi + i);
+    const pack<float> rest = value - high;
+    const auto finite = (high - high) == 0.0f;  // all ones where high is finite
+    bits_pack rest_bits, keep;
+    std::memcpy(&rest_bits, &rest, sizeof rest_bits);
+    std::memcpy(&keep, &finite, sizeof keep);
+    rest_bits &= keep;
+    pack<float> kept;
+    std::memcpy(&kept, &rest_bits, sizeof kept);
+    const bf16_bits_pack low_bits = round_pack_to_bf16(kept);
+    std::memcpy(lo + i, &low_bits, sizeof low_bits);
+  }
+#endif
+  for (; i < n; ++i) {
     const bfloat16 h(from[i]);
     const float high = static_cast<float>(h), rest = from[i] - high;
     hi[i] = h;
