@@ -1,7 +1,9 @@
 #pragma once
 // bf16 x bf16 -> fp32 GEMMs on the CPU's bf16 instructions (AVX512-BF16, AMX) through
-// oneDNN's matmul, for the host backend's bfloat16 weights (LCE_BF16_GEMM=onednn, which
-// defines LCE_BF16_GEMM_ONEDNN and links oneDNN; bench/bf16_gemm.cpp measures it).
+// oneDNN's matmul, for the host backend's bfloat16 weights on CPUs with AVX512-BF16 but no
+// AMX (where lce's own kernel runs instead; bf16_gemm_choice.hpp), in builds that define
+// LCE_BF16_GEMM_ONEDNN and link oneDNN (-DLCE_BF16_GEMM=auto|onednn; bench/bf16_gemm.cpp
+// measures it).
 // Products of bf16 values are exact in fp32 and oneDNN accumulates in fp32.
 //
 // Each call is one single-threaded oneDNN matmul from one of lce's threads, on a tile
