@@ -4,8 +4,10 @@
 // whose provider is MKL's bf16 GEMM). The shared bodies of tests/cases run
 // through it against the long-double materialised reference, with the same
 // tolerance for dz's rounding (u = 2^-8) as the CUDA suite; a float operator
-// on the same provider keeps its fp32 GEMMs. Also: detail::widening_bf16_gemm
-// (the fallback for a machine without a bf16 GEMM library) against plain loops.
+// on the same provider keeps its fp32 GEMMs. The same bodies then run through
+// lce::host_bf16_operands, lce's own provider so made (its AMX kernel on a CPU
+// with AMX). Also: detail::widening_bf16_gemm (the fallback for a machine
+// without a bf16 GEMM library) against plain loops.
 #include "cases/backward_cases.hpp"
 #include "cases/edge_cases.hpp"
 #include "cases/error_cases.hpp"

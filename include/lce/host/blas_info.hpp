@@ -16,8 +16,9 @@
 // query functions), so it tells what is really loaded, whatever cblas.h was
 // compiled against: OpenBLAS (openblas_get_config / openblas_get_corename),
 // BLIS (bli_info_get_version_str / bli_arch_string) or MKL (MKL_Get_Version).
-// It needs nothing of lce but config.hpp and the bf16 GEMM choice (for its bf16_gemm line). lce's default GEMM provider
-// (cblas_gemm.hpp) includes it for the one-time warning below.
+// It needs nothing of lce but config.hpp and, for its bf16_gemm line, the bf16 GEMM
+// choice. lce's default GEMM provider (cblas_gemm.hpp) includes it for the one-time
+// warning below.
 
 #include <lce/core/config.hpp>
 #include <lce/host/detail/bf16_gemm_choice.hpp>
