@@ -13,10 +13,12 @@
 // Rows, per thread count (milliseconds, best of rounds x reps; every competitor timed in
 // each round, so they share the machine's state):
 //   lce float      lce::host with a float weight (sgemm tiles)
-//   lce bf16       lce::host with a bf16 weight, as this build's LCE_BF16_GEMM does it
-//                  (`widen`: widen + sgemm; `onednn`: logits and dX on oneDNN, dW sgemm;
-//                  the header's "bf16 GEMMs:" says which); the widening of X (once per
-//                  chunk, which the engine does) is in `logits`
+//   lce bf16       lce::host with a bf16 weight, on the bf16 GEMM it chose (the header's
+//                  "bf16 GEMMs:" says which; LCE_BF16_GEMM=amx|onednn|widen asks): on lce's
+//                  AMX kernel, logits bf16 and dX, dW with dz split into hi + lo as the
+//                  kernel packs it; on oneDNN, logits and dX (dz split in a pass of its
+//                  own), dW sgemm; widened, all sgemm. The widening of X (once per chunk,
+//                  which the engine does) is in `logits`
 //   dnnl bf16      oneDNN bf16 x bf16 -> f32; X, W as they are; dz rounded to bf16 once
 //                  per chunk (that conversion, by lce's threads, is in `dz->bf16`)
 //   dnnl bf16 x2   dz kept to 16 bits as two bf16 parts hi + lo, two GEMMs each for dX, dW
@@ -210,6 +212,7 @@ int main(int argc, char** argv) {
     lce::host_bf16_operands ops_host{int(threads)};
     std::vector<float> block(std::size_t(host.weight_block_elements<bf16_t>(H, V)));
     using cf = const float;
+    const auto cf_view = [](matrix_view<float> m) { return matrix_view<const float>(m); };
     using cb = const bf16_t;
     const matrix_view<cb> Xb{xb.data(), C, H, H}, Wb{wb.data(), V, H, H};
     const matrix_view<cf> Xf{xf.data(), C, H, H}, Wf{wf.data(), V, H, H}, Dz{dz.data(), C, V, V};
@@ -249,7 +252,8 @@ int main(int argc, char** argv) {
                       host.logits<float, bf16_t>(XW, Wb, 1.0f, Z, block.data());
                     }});
     work.push_back({"lce bf16", "dX", [&] { host.grad_hidden<float, bf16_t>(Dz, Wb, 1.0f, DX, block.data()); }});
-    work.push_back({"lce bf16", "dW", [&] { host.grad_weight<float>(Dz, XW, 1.0f, DW); }});
+    // The engine tells the backend the weight's type (lce::weight_element), as here.
+    work.push_back({"lce bf16", "dW", [&] { host.grad_weight(Dz, cf_view(XW), 1.0f, DW, lce::weight_element<bf16_t>{}); }});
     if (logits_b) work.push_back({"dnnl bf16", "logits", [&] { logits_b->run(eng, stream, xb.data(), wb.data(), z.data()); }});
     work.push_back({"dnnl bf16", "dz->bf16", [&] { host.copy(Dz, matrix_view<bf16_t>{dzb.data(), C, V, V}); }});
     if (dx_b) work.push_back({"dnnl bf16", "dX", [&] { dx_b->run(eng, stream, dzb.data(), wb.data(), dx.data()); }});
@@ -349,7 +353,8 @@ int main(int argc, char** argv) {
     host.grad_hidden<float, bf16_t>(matrix_view<const float>{dz.data(), C, V, V},
                                       matrix_view<const bf16_t>{wb.data(), V, H, H}, 1.0f,
                                       matrix_view<float>{r.dx.data(), C, H, H}, block.data());
-    host.grad_weight<float>(matrix_view<const float>{dz.data(), C, V, V}, XW, 1.0f, matrix_view<float>{r.dw.data(), V, H, H});
+    host.grad_weight(matrix_view<const float>{dz.data(), C, V, V}, matrix_view<const float>(XW), 1.0f,
+                     matrix_view<float>{r.dw.data(), V, H, H}, lce::weight_element<bf16_t>{});
     got["lce bf16 (host backend)"] = std::move(r);
   }
   {

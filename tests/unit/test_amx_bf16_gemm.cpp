@@ -3,8 +3,10 @@
 // and whole 32 x 32 blocks, depths over one depth block (1,024) and alpha /
 // beta as the provider contract has them. The bound is fp32 accumulation's:
 // k u (|alpha| sum |a_i b_i| + |beta c|), u = 2^-24, which a wrong tile, pair
-// order, packing or missing term exceeds by orders of magnitude. Runs only on
-// a CPU with AMX (the test says when it skips).
+// order, packing or missing term exceeds by orders of magnitude. The split
+// form (fp32 A as bf16 hi + lo) against the same loop over both parts, and the
+// scratch each thread keeps against its stated bound. Runs only on a CPU with
+// AMX (the test says when it skips).
 #include <lce/host/detail/amx_bf16_gemm.hpp>
 
 #include <doctest/doctest.h>
@@ -30,8 +32,41 @@ struct problem {
   bool rows_of_512_bytes = false;  // A's rows 512 bytes apart or a multiple (packed, not read in place)
 };
 
-// Runs one problem with padded leading dimensions; checks every element of C, and that
-// the padding columns of C keep their values. Returns the largest error / bound.
+// The largest error / bound over C (every element, against a double sum of a(i, q) b(q, j)),
+// and infinity if C's padding columns (j >= n) changed. The bound is fp32 accumulation's,
+// (parts k + 2) u (|alpha| sum |a b| + |beta c|): `parts` products per k (two for a split A).
+template <class AValue, class BValue>
+double worst_error(const problem& p, AValue a, BValue b, const std::vector<float>& c, const std::vector<float>& before,
+                   std::int64_t ldc, int parts) {
+  double worst = 0.0;
+  for (std::int64_t i = 0; i < p.m; ++i) {
+    for (std::int64_t j = 0; j < ldc; ++j) {
+      const float got = c[static_cast<std::size_t>(i * ldc + j)];
+      const float old = before[static_cast<std::size_t>(i * ldc + j)];
+      if (j >= p.n) {  // outside C: untouched, NaN or not
+        if (!(got == old || (std::isnan(got) && std::isnan(old)))) return std::numeric_limits<double>::infinity();
+        continue;
+      }
+      double sum = 0.0, magnitude = 0.0;
+      for (std::int64_t q = 0; q < p.k; ++q) {
+        const double x = a(i, q), y = b(q, j);
+        sum += x * y;
+        magnitude += std::fabs(x * y);
+      }
+      const double c_term = p.beta == 0.0f ? 0.0 : static_cast<double>(p.beta) * old;
+      const double expected = p.alpha * sum + c_term;
+      const double bound = static_cast<double>(parts * p.k + 2) * std::ldexp(1.0, -24) *
+                               (std::fabs(p.alpha) * magnitude + std::fabs(c_term)) +
+                           std::numeric_limits<float>::denorm_min();
+      const double error = std::isfinite(got) ? std::fabs(got - expected) / bound : std::numeric_limits<double>::infinity();
+      if (error > worst) worst = error;
+    }
+  }
+  return worst;
+}
+
+// Runs one problem with padded leading dimensions (A's rows 512 bytes apart or a multiple
+// when asked); checks every element of C and that its padding columns keep their values.
 double run(const problem& p, std::mt19937& rng) {
   const bool at = p.ta == transpose::yes, bt = p.tb == transpose::yes;
   const std::int64_t a_row = at ? p.m : p.k;
@@ -47,47 +82,49 @@ double run(const problem& p, std::mt19937& rng) {
   for (auto& x : c) x = p.beta == 0.0f ? std::numeric_limits<float>::quiet_NaN() : value(rng);
   const std::vector<float> before = c;
   lce::detail::amx_bf16_gemm(p.ta, p.tb, p.m, p.n, p.k, p.alpha, a.data(), lda, b.data(), ldb, p.beta, c.data(), ldc);
-  double worst = 0.0;
-  for (std::int64_t i = 0; i < p.m; ++i) {
-    for (std::int64_t j = 0; j < ldc; ++j) {
-      const float got = c[static_cast<std::size_t>(i * ldc + j)];
-      const float old = before[static_cast<std::size_t>(i * ldc + j)];
-      if (j >= p.n) {  // outside C: untouched, NaN or not
-        if (!(got == old || (std::isnan(got) && std::isnan(old)))) return std::numeric_limits<double>::infinity();
-        continue;
-      }
-      double sum = 0.0, magnitude = 0.0;
-      for (std::int64_t q = 0; q < p.k; ++q) {
-        const double x = static_cast<float>(a[static_cast<std::size_t>(at ? q * lda + i : i * lda + q)]);
-        const double y = static_cast<float>(b[static_cast<std::size_t>(bt ? j * ldb + q : q * ldb + j)]);
-        sum += x * y;
-        magnitude += std::fabs(x * y);
-      }
-      const double c_term = p.beta == 0.0f ? 0.0 : static_cast<double>(p.beta) * old;
-      const double expected = p.alpha * sum + c_term;
-      const double bound = static_cast<double>(p.k + 2) * std::ldexp(1.0, -24) *
-                               (std::fabs(p.alpha) * magnitude + std::fabs(c_term)) +
-                           std::numeric_limits<float>::denorm_min();
-      const double error = std::isfinite(got) ? std::fabs(got - expected) / bound : std::numeric_limits<double>::infinity();
-      if (error > worst) worst = error;
-    }
-  }
-  return worst;
+  const auto a_at = [&](std::int64_t i, std::int64_t q) {
+    return static_cast<double>(static_cast<float>(a[static_cast<std::size_t>(at ? q * lda + i : i * lda + q)]));
+  };
+  const auto b_at = [&](std::int64_t q, std::int64_t j) {
+    return static_cast<double>(static_cast<float>(b[static_cast<std::size_t>(bt ? j * ldb + q : q * ldb + j)]));
+  };
+  return worst_error(p, a_at, b_at, c, before, ldc, 1);
 }
 
-}  // namespace
+// The same for amx_split_bf16_gemm: A in fp32 (values with more bits than bf16 holds), B in
+// bf16 or as floats holding bf16 values. The reference multiplies A's two parts, hi =
+// bf16(a) and lo = bf16(a - hi) (scalar lce::bfloat16 here); a kernel that dropped lo
+// would be off by about 2^-9 |a b|.
+template <class BElement>
+double run_split(const problem& p, std::mt19937& rng) {
+  const bool at = p.ta == transpose::yes, bt = p.tb == transpose::yes;
+  const std::int64_t lda = (at ? p.m : p.k) + 3, ldb = (bt ? p.k : p.n) + 5, ldc = p.n + 7;
+  std::uniform_real_distribution<float> value(-2.0f, 2.0f);
+  std::vector<float> a(static_cast<std::size_t>((at ? p.k : p.m) * lda));
+  std::vector<BElement> b(static_cast<std::size_t>((bt ? p.n : p.k) * ldb));
+  for (auto& x : a) x = value(rng);
+  for (auto& x : b) x = static_cast<BElement>(static_cast<float>(bfloat16(value(rng))));
+  std::vector<float> c(static_cast<std::size_t>(p.m * ldc));
+  for (auto& x : c) x = p.beta == 0.0f ? std::numeric_limits<float>::quiet_NaN() : value(rng);
+  const std::vector<float> before = c;
+  lce::detail::amx_split_bf16_gemm(p.ta, p.tb, p.m, p.n, p.k, p.alpha, a.data(), lda, b.data(), ldb, p.beta, c.data(),
+                                   ldc);
+  const auto a_at = [&](std::int64_t i, std::int64_t q) {
+    const float x = a[static_cast<std::size_t>(at ? q * lda + i : i * lda + q)];
+    const float hi = static_cast<float>(bfloat16(x));
+    return static_cast<double>(hi) + static_cast<float>(bfloat16(x - hi));
+  };
+  const auto b_at = [&](std::int64_t q, std::int64_t j) {
+    return static_cast<double>(static_cast<float>(b[static_cast<std::size_t>(bt ? j * ldb + q : q * ldb + j)]));
+  };
+  return worst_error(p, a_at, b_at, c, before, ldc, 2);
+}
 
-TEST_CASE("AMX bf16 GEMM: every transpose, ragged and whole blocks, deep sums, alpha and beta") {
-  if (!lce::detail::amx_bf16_gemm_available()) {
-    MESSAGE("skipped: this CPU (or OS) gives no AMX tiles, so lce's AMX kernel does not run here");
-    return;
-  }
-  std::mt19937 rng(2026);
+// check(p) for every shape, both transposes of A and of B, and the alpha / beta pairs the
+// provider contract has (alpha != 1 and beta = -1.5 included).
+template <std::size_t Shapes, class Check>
+void for_each_problem(const std::int64_t (&shapes)[Shapes][3], Check&& check) {
   const transpose both[] = {transpose::no, transpose::yes};
-  // Whole blocks (in-place C), ragged edges, one depth step, depths past one and two depth
-  // blocks (1,024) with a ragged last step; m over 32 with A packed (transposed).
-  const std::int64_t shapes[][3] = {{32, 32, 32},  {64, 96, 64},  {1, 1, 1},     {17, 45, 3},   {33, 31, 100},
-                                    {64, 64, 1024}, {40, 70, 1100}, {64, 96, 2080}, {96, 33, 2100}, {5, 530, 1500}};
   const std::pair<float, float> scales[] = {{1.0f, 0.0f}, {1.0f, 1.0f}, {0.5f, 0.0f}, {-0.25f, 1.0f}, {1.0f, -1.5f}};
   for (const auto& shape : shapes)
     for (const transpose ta : both)
@@ -101,8 +138,40 @@ TEST_CASE("AMX bf16 GEMM: every transpose, ragged and whole blocks, deep sums, a
           CAPTURE(tb == transpose::yes);
           CAPTURE(p.alpha);
           CAPTURE(p.beta);
-          CHECK(run(p, rng) <= 1.0);
+          check(p);
         }
+}
+
+}  // namespace
+
+TEST_CASE("AMX split bf16 GEMM: A in fp32 as hi + lo, B in bf16 or fp32, every transpose, alpha and beta") {
+  if (!lce::detail::amx_bf16_gemm_available()) {
+    MESSAGE("skipped: this CPU (or OS) gives no AMX tiles, so lce's AMX kernel does not run here");
+    return;
+  }
+  std::mt19937 rng(2027);
+  const std::int64_t shapes[][3] = {{32, 32, 32}, {1, 1, 1}, {17, 45, 3}, {33, 31, 100}, {64, 64, 1024},
+                                    {40, 70, 1100}, {96, 33, 2100}};
+  for_each_problem(shapes, [&](const problem& p) {
+    CHECK(run_split<bfloat16>(p, rng) <= 1.0);
+    CHECK(run_split<float>(p, rng) <= 1.0);
+  });
+  // lce::host's shapes: dX (dz W over a vocabulary) and dW (dz^T X, X's rows as floats).
+  CHECK(run_split<bfloat16>({64, 96, 3000, transpose::no, transpose::no, 1.0f, 0.0f}, rng) <= 1.0);
+  CHECK(run_split<float>({200, 96, 70, transpose::yes, transpose::no, 1.0f, 1.0f}, rng) <= 1.0);
+}
+
+TEST_CASE("AMX bf16 GEMM: every transpose, ragged and whole blocks, deep sums, alpha and beta") {
+  if (!lce::detail::amx_bf16_gemm_available()) {
+    MESSAGE("skipped: this CPU (or OS) gives no AMX tiles, so lce's AMX kernel does not run here");
+    return;
+  }
+  std::mt19937 rng(2026);
+  // Whole blocks (in-place C), ragged edges, one depth step, depths past one and two depth
+  // blocks (1,024) with a ragged last step; m over 32 with A packed (transposed).
+  const std::int64_t shapes[][3] = {{32, 32, 32},  {64, 96, 64},  {1, 1, 1},     {17, 45, 3},   {33, 31, 100},
+                                    {64, 64, 1024}, {40, 70, 1100}, {64, 96, 2080}, {96, 33, 2100}, {5, 530, 1500}};
+  for_each_problem(shapes, [&](const problem& p) { CHECK(run(p, rng) <= 1.0); });
 }
 
 TEST_CASE("AMX bf16 GEMM: lce_torch's shapes (logits into a wide C, dX over the vocabulary, dW)") {
@@ -151,6 +220,8 @@ TEST_CASE("AMX bf16 GEMM: its scratch per thread stays within amx_bf16_gemm_scra
       {2100, 40, 3000, transpose::no, transpose::no, 2.0f, 0.0f},
       {64, 700, 1024, transpose::no, transpose::yes, 1.0f, 0.0f, true},
   };
+  // ... and a split A at depth 1,024 (both parts packed), which takes the whole bound.
+  const problem split{64, 600, 1024, transpose::no, transpose::no, 1.0f, 0.0f};
   std::size_t largest = 0;
   bool within = true, correct = true;
   std::thread([&] {
@@ -161,9 +232,13 @@ TEST_CASE("AMX bf16 GEMM: its scratch per thread stays within amx_bf16_gemm_scra
       within = within && held <= lce::detail::amx_bf16_gemm_scratch_bytes;
       largest = std::max(largest, held);
     }
+    correct = correct && run_split<bfloat16>(split, rng) <= 1.0;
+    const std::size_t held = lce::detail::amx_bf16_gemm_thread_scratch_bytes();
+    within = within && held <= lce::detail::amx_bf16_gemm_scratch_bytes;
+    largest = std::max(largest, held);
   }).join();
   CHECK(correct);
   CHECK(within);
   CHECK(largest == lce::detail::amx_bf16_gemm_scratch_bytes);  // the bound is reached, not loose
-  CHECK(lce::detail::amx_bf16_gemm_scratch_bytes == 1156 * 1024);
+  CHECK(lce::detail::amx_bf16_gemm_scratch_bytes == 1224 * 1024);
 }

@@ -8,13 +8,14 @@
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 using namespace lce_test;
 
 namespace {
 
 struct call_counts {
-  std::atomic<std::int64_t> gemm{0}, bf16_gemm{0};
+  std::atomic<std::int64_t> gemm{0}, bf16_gemm{0}, split_gemm{0};
 };
 
 // C = alpha op(A) op(B) + beta C in plain loops, summed in the operands' type
@@ -69,6 +70,31 @@ struct counting_whole_bf16_gemm : counting_bf16_gemm {
   static constexpr bool parallelises_itself = true;
 };
 
+// With the split bf16 GEMM too: A in fp32 as hi = bf16(a) plus lo = bf16(a - hi), in loops.
+struct counting_split_gemm : counting_bf16_gemm {
+  bool split_available = true;
+
+  bool split_bf16_gemm_available() const { return split_available; }
+  template <class B>
+  void split_bf16_gemm(lce::transpose ta, lce::transpose tb, std::int64_t m, std::int64_t n, std::int64_t k,
+                       float alpha, const float* a, std::int64_t lda, const B* b, std::int64_t ldb, float beta,
+                       float* c, std::int64_t ldc) const {
+    counts->split_gemm.fetch_add(1);
+    const std::int64_t rows = ta == lce::transpose::yes ? k : m, cols = ta == lce::transpose::yes ? m : k;
+    std::vector<lce::bfloat16> hi(static_cast<std::size_t>(rows * lda)), lo(hi.size());
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t j = 0; j < cols; ++j) {
+        const float x = a[r * lda + j];
+        hi[r * lda + j] = lce::bfloat16(x);
+        lo[r * lda + j] = lce::bfloat16(x - static_cast<float>(hi[r * lda + j]));
+      }
+    std::vector<lce::bfloat16> b16(static_cast<std::size_t>((tb == lce::transpose::yes ? n : k) * ldb));
+    for (std::size_t i = 0; i < b16.size(); ++i) b16[i] = lce::bfloat16(static_cast<float>(b[i]));
+    loop_gemm(ta, tb, m, n, k, alpha, hi.data(), lda, b16.data(), ldb, beta, c, ldc);
+    loop_gemm(ta, tb, m, n, k, alpha, lo.data(), lda, b16.data(), ldb, 1.0f, c, ldc);
+  }
+};
+
 struct not_a_provider {
   void gemm(lce::transpose, lce::transpose, std::int64_t, std::int64_t, std::int64_t, float, const float*,
             std::int64_t, const float*, std::int64_t, float, float*, std::int64_t) const {}
@@ -90,6 +116,8 @@ static_assert(lce::bf16_gemm_provider<counting_bf16_gemm>);
 static_assert(!lce::gemm_provider<not_a_provider>);
 static_assert(!lce::gemm_provider<int>);
 static_assert(!lce::bf16_gemm_provider<bf16_without_query>);
+static_assert(lce::split_bf16_gemm_provider<counting_split_gemm> && !lce::split_bf16_gemm_provider<counting_bf16_gemm>);
+static_assert(lce::split_bf16_gemm_provider<lce::cblas_gemm>);
 static_assert(!lce::gemm_parallelises_itself<counting_gemm> && lce::gemm_parallelises_itself<counting_whole_gemm>);
 static_assert(std::is_same_v<lce::host, lce::basic_host<lce::cblas_gemm>>);
 static_assert(lce::backend<lce::basic_host<counting_gemm>>);
@@ -142,14 +170,25 @@ TEST_CASE_TEMPLATE("a user's GEMM provider runs every GEMM and matches the defau
   }
 }
 
+// A bfloat16 problem (inputs from `seed` on), with the default host's results on it.
+struct bf16_case {
+  problem p;
+  std::vector<double> g, hg, pre;
+  outputs<lce::bfloat16, out_t<lce::bfloat16>> reference;
+
+  explicit bf16_case(std::uint64_t seed)
+      : p(make_problem(150, 96, 1500, seed, rounder_for<lce::bfloat16>(), 1.0, 0.2, 0.1)),
+        g(random_vector(p.n, seed + 1, -1.0, 1.0, rounder_for<float>())),
+        hg(random_vector(p.n, seed + 2, -0.5, 0.5, rounder_for<float>())),
+        pre(random_vector(p.v * p.h, seed + 3, -1.0, 1.0, rounder_for<float>())),
+        reference(run_default<lce::bfloat16>(p, g, hg, pre)) {}
+};
+
 TEST_CASE_TEMPLATE("a provider's bf16 GEMM runs a bfloat16 weight's logits and dX, and matches", Gemm,
                    counting_bf16_gemm, counting_whole_bf16_gemm) {
   using T = lce::bfloat16;
-  const problem p = make_problem(150, 96, 1500, 51, rounder_for<T>(), 1.0, 0.2, 0.1);
-  const auto g = random_vector(p.n, 52, -1.0, 1.0, rounder_for<float>());
-  const auto hg = random_vector(p.n, 53, -0.5, 0.5, rounder_for<float>());
-  const auto pre = random_vector(p.v * p.h, 54, -1.0, 1.0, rounder_for<float>());
-  const auto reference = run_default<T>(p, g, hg, pre);
+  const bf16_case c(51);
+  const auto& [p, g, hg, pre, reference] = c;
 
   const Gemm gemm;
   const auto o = run_with<T>(gemm, p, g, hg, pre, 2);
@@ -167,6 +206,31 @@ TEST_CASE_TEMPLATE("a provider's bf16 GEMM runs a bfloat16 weight's logits and d
     CHECK(unavailable.counts->bf16_gemm.load() == 0);
     CHECK(unavailable.counts->gemm.load() > gemm.counts->gemm.load());
     check_close(widened, reference, 1e-5);
+  }
+}
+
+TEST_CASE("a provider's split bf16 GEMM runs a bfloat16 weight's dX and dW on dz as it is, and matches") {
+  using T = lce::bfloat16;
+  const bf16_case c(61);
+  const auto& [p, g, hg, pre, reference] = c;
+
+  const counting_split_gemm gemm;
+  const auto o = run_with<T>(gemm, p, g, hg, pre, 2);
+  // logits on the bf16 GEMM; dX and dW on the split one; no fp32 GEMM and no widened weight.
+  CHECK(gemm.counts->split_gemm.load() >= 6);
+  CHECK(gemm.counts->bf16_gemm.load() >= 3);
+  CHECK(gemm.counts->gemm.load() == 0);
+  check_close(o, reference, 1e-5);
+  check_against_reference(o, p, g, hg, pre);
+
+  SUBCASE("split GEMM not available: dX on the bf16 GEMM over dz split in its own pass, dW an fp32 GEMM") {
+    counting_split_gemm unavailable;
+    unavailable.split_available = false;
+    const auto staged = run_with<T>(unavailable, p, g, hg, pre, 2);
+    CHECK(unavailable.counts->split_gemm.load() == 0);
+    CHECK(unavailable.counts->bf16_gemm.load() > 0);
+    CHECK(unavailable.counts->gemm.load() > 0);
+    check_close(staged, reference, 1e-5);
   }
 }
 

@@ -50,6 +50,14 @@ constexpr bool reuses_exp_block() {
     return true;
 }
 
+// Optional, on every grad_weight below and the backend concept's: a trailing
+// weight_element<T>{} telling the weight's storage type T (the operands are of the
+// compute or GEMM operand type either way). The engine passes it where the backend
+// takes it; the host backend runs a bfloat16 weight's dW on its provider's split bf16
+// GEMM with it (the hidden rows are then bf16 values).
+template <class T>
+struct weight_element {};
+
 // Optional: dw += alpha dz^T x into a grad_weight `dw` whose element type G is
 // not the compute type A (a 2-byte grad_weight; float for T = double), each
 // vocabulary tile of the product summed in A in `scratch` (slots of

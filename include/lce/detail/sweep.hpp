@@ -523,19 +523,29 @@ class chunk_sweep {
                            Compute alpha, const weight_gradient_sink<Compute, GradWeight>& sink) {
     if constexpr (adds_weight_gradient_tiles<Backend, Operand, Compute, GradWeight>) {
       if (sink.into_grad_weight) {
-        backend_.grad_weight(dz, c.hidden, alpha, sink.grad_weight, sink.tile_scratch);
+        grad_weight(dz, c.hidden, alpha, sink.grad_weight, sink.tile_scratch);
         return;
       }
     }
     if constexpr (rounds_accumulated_weight_gradient<Backend, Operand, Compute, GradWeight>) {
       if (sink.fused) {
         const bool last = c.local_first + c.segment_rows >= c.local_tokens;
-        backend_.grad_weight(dz, c.hidden, alpha, sink.accumulator, c.ordinal == 0 ? Compute(0) : Compute(1),
-                             last ? sink.grad_weight : matrix_view<GradWeight>{});
+        grad_weight(dz, c.hidden, alpha, sink.accumulator, c.ordinal == 0 ? Compute(0) : Compute(1),
+                    last ? sink.grad_weight : matrix_view<GradWeight>{});
         return;
       }
     }
-    backend_.grad_weight(dz, c.hidden, alpha, sink.accumulator);
+    grad_weight(dz, c.hidden, alpha, sink.accumulator);
+  }
+
+  // The backend's grad_weight, told the weight's storage type where it takes it (weight_element).
+  template <class... Args>
+  void grad_weight(const Args&... args) {
+    if constexpr (requires { backend_.grad_weight(args..., weight_element<T>{}); }) {
+      backend_.grad_weight(args..., weight_element<T>{});
+    } else {
+      backend_.grad_weight(args...);
+    }
   }
 
   // dz as the gradient GEMMs read it: its own block in the operand type, or the logit block itself.

@@ -1,10 +1,11 @@
 #pragma once
 // lce's default GEMM provider (see gemm_provider.hpp): the CBLAS lce links
 // (OpenBLAS, BLIS, MKL, ...), one single-threaded call per GEMM tile, and for a
-// bfloat16 weight's logits and dX a bf16 x bf16 -> fp32 GEMM where the CPU has
-// bf16 instructions: lce's AMX kernel, else oneDNN's matmul in builds that link
-// it (detail/bf16_gemm_choice.hpp; dz still reaches it as hi + lo, so the
-// gradients keep 16 significant bits of dz). Its first operator
+// bfloat16 weight's GEMMs a bf16 x bf16 -> fp32 GEMM where the CPU has bf16
+// instructions: lce's AMX kernel, else oneDNN's matmul in builds that link it
+// (detail/bf16_gemm_choice.hpp). dz keeps 16 significant bits as hi + lo: on
+// the AMX kernel dX and dW split it as they pack it (split_bf16_gemm); on
+// oneDNN dX takes it split in a pass of its own and dW stays sgemm. Its first operator
 // call in a process warns once on std::cerr when the BLAS runs kernels below the CPU's class
 // (blas_info.hpp; LCE_NO_BLAS_WARNING=1 hides it).
 
@@ -42,6 +43,17 @@ struct cblas_gemm {
                  std::int64_t ldc) const {
     detail::run_bf16_gemm(detail::chosen_bf16_gemm_kernel(), ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
+
+  // A in fp32 as hi + lo (gemm_provider.hpp): lce's AMX kernel, which splits A as it packs it.
+  bool split_bf16_gemm_available() const { return detail::chosen_bf16_gemm_kernel() == detail::bf16_gemm_kernel::amx; }
+
+  template <class B>
+    requires std::same_as<B, bfloat16> || std::same_as<B, float>
+  void split_bf16_gemm(transpose ta, transpose tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
+                       const float* a, std::int64_t lda, const B* b, std::int64_t ldb, float beta, float* c,
+                       std::int64_t ldc) const {
+    detail::amx_split_bf16_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  }
 };
 
 // cblas_gemm with bf16_operands (gemm_provider.hpp): a bfloat16 operator runs all three
@@ -66,6 +78,7 @@ struct cblas_gemm_bf16_operands : cblas_gemm {
 
 static_assert(gemm_provider<cblas_gemm>);
 static_assert(bf16_gemm_provider<cblas_gemm>);
+static_assert(split_bf16_gemm_provider<cblas_gemm>);
 static_assert(gemm_reads_bf16_operands<cblas_gemm_bf16_operands>);
 
 LCE_END_NAMESPACE

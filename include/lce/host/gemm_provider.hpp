@@ -39,6 +39,21 @@
 // when they are bf16 values; dz (the logits' gradient, fp32) is passed as two
 // bf16 parts hi + lo (16 significant bits), both multiplied and summed.
 //
+// Optional, with the bf16 GEMM: a GEMM whose A is fp32, kept to 16 significant bits as
+// two bf16 parts hi = bf16(a) and lo = bf16(a - hi) (lo = 0 where hi is not finite), both
+// multiplied by B in bf16 (or by B in fp32 holding bf16 values), sums in fp32:
+//
+//   bool split_bf16_gemm_available() const;
+//   void split_bf16_gemm(lce::transpose ta, lce::transpose tb, std::int64_t m, std::int64_t n, std::int64_t k,
+//                        float alpha, const float* a, std::int64_t lda,
+//                        const lce::bfloat16* b, std::int64_t ldb, float beta, float* c, std::int64_t ldc) const;
+//   void split_bf16_gemm(..., const float* a, std::int64_t lda, const float* b, std::int64_t ldb, ...) const;
+//
+// When available, a bfloat16 weight's dX (dz w, B in bf16) and dW (dz^T x, x the hidden
+// rows as floats) run on it, dz as it is, instead of dX on two bf16 GEMMs over dz split in
+// a pass of its own and dW as an fp32 GEMM: the hi + lo precision, with no scratch (lce's
+// AMX kernel splits A as it packs it).
+//
 // Optional, with the bf16 GEMM: `static constexpr bool bf16_operands = true;`
 // Then a bfloat16 operator runs all three GEMMs of a chunk as bf16 x bf16 ->
 // fp32: the hidden rows as stored (never widened), and dz rounded once to
@@ -79,6 +94,16 @@ concept bf16_gemm_provider =
     requires(const P& provider, transpose op, std::int64_t extent, const bfloat16* a, float* c, float s) {
       { provider.bf16_gemm_available() } -> std::convertible_to<bool>;
       provider.bf16_gemm(op, op, extent, extent, extent, s, a, extent, a, extent, s, c, extent);
+    };
+
+// A provider with the optional split bf16 GEMM (A in fp32 as hi + lo, B bf16 or fp32).
+template <class P>
+concept split_bf16_gemm_provider =
+    bf16_gemm_provider<P> && requires(const P& provider, transpose op, std::int64_t extent, const float* a,
+                                      const bfloat16* b16, const float* b32, float* c, float s) {
+      { provider.split_bf16_gemm_available() } -> std::convertible_to<bool>;
+      provider.split_bf16_gemm(op, op, extent, extent, extent, s, a, extent, b16, extent, s, c, extent);
+      provider.split_bf16_gemm(op, op, extent, extent, extent, s, a, extent, b32, extent, s, c, extent);
     };
 
 // Whether P parallelises each call itself (see above); false unless it says so.

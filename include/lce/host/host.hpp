@@ -139,7 +139,9 @@ class basic_host {
   // With a provider's bf16 GEMM (lce::cblas_gemm: lce's AMX kernel or oneDNN), a
   // bfloat16 weight's logits and dX GEMMs run as bf16 x bf16 -> fp32 GEMMs
   // (bf16_logits, bf16_grad_hidden) when bf16_gemm_available(), in the same
-  // scratch and still tiled by the shapes alone; otherwise as below.
+  // scratch and still tiled by the shapes alone; with its split bf16 GEMM
+  // (split_bf16_gemm_available()), dX and dW take the fp32 dz as it is, kept to
+  // 16 bits as hi + lo (weight_gradient_gemm); otherwise as below.
   // Each GEMM is split into tiles that depend on the shapes only and run on
   // this backend's threads, each tile one single-threaded provider call: the
   // result is the same whatever the thread counts (lce's or the BLAS's). (A
@@ -216,6 +218,19 @@ class basic_host {
                      beta, dx.row(r0) + c0, dx.ld);
       });
     } else {
+      if constexpr (split_bf16_weight<A, T>) {
+        // dz as it is, split as the provider packs it: dX's tiles over the whole vocabulary.
+        if (gemm_.split_bf16_gemm_available()) {
+          const output_tiling whole(dx.rows, dx.cols, tile_target, output_tiling::bf16_operand_floor,
+                                    output_tiling::bf16_operand_floor);
+          for_gemm_tiles(whole.count(), [&](std::int64_t t) {
+            const auto [r0, rows, c0, cols] = whole.tile(t);
+            gemm_.split_bf16_gemm(transpose::no, transpose::no, rows, cols, w.rows, alpha, dz.row(r0), dz.ld,
+                                  w.data + c0, w.ld, beta, dx.row(r0) + c0, dx.ld);
+          });
+          return;
+        }
+      }
       if constexpr (bf16_weight<A, T>) {
         if (bf16_grad_hidden(dz, w, alpha, dx, tiles, weight_block, beta)) return;
       }
@@ -229,15 +244,17 @@ class basic_host {
     }
   }
 
-  // dw += alpha dz^T x, tiled over vocabulary rows.
-  template <class O, class A>
-  void grad_weight(matrix_view<const O> dz, matrix_view<const O> x, A alpha, matrix_view<A> dw) {
+  // dw += alpha dz^T x, tiled over vocabulary rows. W, the weight's storage type (the
+  // engine's weight_element), picks the GEMM (weight_gradient_gemm).
+  template <class O, class A, class W = A>
+  void grad_weight(matrix_view<const O> dz, matrix_view<const O> x, A alpha, matrix_view<A> dw,
+                   weight_element<W> = {}) {
     const std::int64_t tile = vocab_tile_rows<A>(x.cols, dz.cols);
     [[maybe_unused]] const provider_scope scope;
     for_gemm_tiles(detail::ceil_div(dz.cols, tile), [&](std::int64_t t) {
       const std::int64_t first = t * tile, rows = std::min(tile, dz.cols - first);
-      operand_gemm(transpose::yes, transpose::no, rows, x.cols, dz.rows, alpha, dz.data + first, dz.ld, x.data, x.ld,
-                   A(1), dw.row(first), dw.ld);
+      weight_gradient_gemm<W>(rows, x.cols, dz.rows, alpha, dz.data + first, dz.ld, x.data, x.ld, A(1), dw.row(first),
+                              dw.ld);
     });
   }
 
@@ -256,16 +273,16 @@ class basic_host {
   // dw += alpha dz^T x into a dw of another element type (adds_weight_gradient_tiles):
   // each tile of vocabulary rows is one GEMM into the worker's scratch, then
   // added into dw while in cache. Tiles from the shapes alone, as above.
-  template <class O, class A, class G>
+  template <class O, class A, class G, class W = A>
     requires(!std::same_as<A, G>)
-  void grad_weight(matrix_view<const O> dz, matrix_view<const O> x, A alpha, matrix_view<G> dw, A* scratch) {
+  void grad_weight(matrix_view<const O> dz, matrix_view<const O> x, A alpha, matrix_view<G> dw, A* scratch,
+                   weight_element<W> = {}) {
     const std::int64_t tile = rounded_tile_rows<A>(x.cols, dz.cols, dz.rows), h = x.cols;
     [[maybe_unused]] const provider_scope scope;
     for_gemm_tiles_by_worker(detail::ceil_div(dz.cols, tile), [&](std::int64_t t, int worker) {
       const std::int64_t first = t * tile, rows = std::min(tile, dz.cols - first);
       A* sum = scratch + static_cast<std::int64_t>(worker) * tile * h;
-      operand_gemm(transpose::yes, transpose::no, rows, h, dz.rows, alpha, dz.data + first, dz.ld, x.data, x.ld,
-                   A(0), sum, h);
+      weight_gradient_gemm<W>(rows, h, dz.rows, alpha, dz.data + first, dz.ld, x.data, x.ld, A(0), sum, h);
       for (std::int64_t r = 0; r < rows; ++r) detail::add_span(static_cast<const A*>(sum + r * h), dw.row(first + r), h);
     });
   }
@@ -273,16 +290,16 @@ class basic_host {
   // dw = alpha dz^T x + beta dw on an accumulator (rounds_accumulated_weight_gradient),
   // in the tiles above; with round_into.data, each tile is then added into
   // round_into while in cache.
-  template <class O, class A, class G>
+  template <class O, class A, class G, class W = A>
     requires(!std::same_as<A, G>)
   void grad_weight(matrix_view<const O> dz, matrix_view<const O> x, A alpha, matrix_view<A> dw, A beta,
-                   matrix_view<G> round_into) {
+                   matrix_view<G> round_into, weight_element<W> = {}) {
     const std::int64_t tile = rounded_tile_rows<A>(x.cols, dz.cols, dz.rows), h = x.cols;
     [[maybe_unused]] const provider_scope scope;
     for_gemm_tiles(detail::ceil_div(dz.cols, tile), [&](std::int64_t t) {
       const std::int64_t first = t * tile, rows = std::min(tile, dz.cols - first);
-      operand_gemm(transpose::yes, transpose::no, rows, h, dz.rows, alpha, dz.data + first, dz.ld, x.data, x.ld, beta,
-                   dw.row(first), dw.ld);
+      weight_gradient_gemm<W>(rows, h, dz.rows, alpha, dz.data + first, dz.ld, x.data, x.ld, beta, dw.row(first),
+                              dw.ld);
       if (round_into.data) {
         for (std::int64_t r = 0; r < rows; ++r)
           detail::add_span(static_cast<const A*>(dw.row(first + r)), round_into.row(first + r), h);
@@ -622,6 +639,23 @@ class basic_host {
   template <class A, class T>
   static constexpr bool bf16_weight =
       bf16_gemm_provider<Gemm> && std::is_same_v<A, float> && std::is_same_v<std::remove_cv_t<T>, bfloat16>;
+  template <class A, class T>
+  static constexpr bool split_bf16_weight = bf16_weight<A, T> && split_bf16_gemm_provider<Gemm>;
+
+  // One tile of dW: c = alpha dz^T x + beta c. For a bfloat16 weight (W) whose hidden rows x
+  // are therefore bf16 values, on the provider's split bf16 GEMM where it has one (dz kept
+  // to 16 bits, x exact); otherwise on the operand type's GEMM.
+  template <class W, class O, class A>
+  void weight_gradient_gemm(std::int64_t m, std::int64_t n, std::int64_t k, A alpha, const O* dz, std::int64_t ldz,
+                            const O* x, std::int64_t ldx, A beta, A* c, std::int64_t ldc) const {
+    if constexpr (split_bf16_weight<A, W> && std::same_as<O, float>) {
+      if (gemm_.split_bf16_gemm_available()) {
+        gemm_.split_bf16_gemm(transpose::yes, transpose::no, m, n, k, alpha, dz, ldz, x, ldx, beta, c, ldc);
+        return;
+      }
+    }
+    operand_gemm(transpose::yes, transpose::no, m, n, k, alpha, dz, ldz, x, ldx, beta, c, ldc);
+  }
 
   // Logits from a bf16 weight through the provider's bf16 GEMM: the chunk's hidden rows (fp32,
   // widened from bf16 by the engine) are rounded back to bf16 in blocks of rows

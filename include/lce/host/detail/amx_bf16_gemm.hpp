@@ -11,11 +11,14 @@
 // libtorch_cpu, bf16 out, not callable with an fp32 output) ran 64 ms. This
 // kernel runs them in 66-71 ms (bench/bf16_gemm.cpp's `lce amx` rows). The
 // host backend's default provider (cblas_gemm, through bf16_gemm_choice.hpp)
-// and lce_torch run their bf16 GEMMs on it on CPUs with AMX.
+// and lce_torch run their bf16 GEMMs on it on CPUs with AMX. Its split form
+// (amx_split_bf16_gemm) takes an fp32 A, dz, to 16 bits as two bf16 parts while
+// packing it, so that lce::host's dX and dW keep that precision without a pass
+// of their own over dz.
 //
 // Memory: packed B and packed A live in scratch of the calling thread's, kept
 // for reuse like a BLAS's own buffers, at most amx_bf16_gemm_scratch_bytes
-// (1,156 KiB) whatever the shapes; C is never copied, so the scratch does not
+// (1,224 KiB) whatever the shapes; C is never copied, so the scratch does not
 // grow with the rows of a call.
 //
 // Each TDPBF16PS multiplies a 16 x 32 bf16 tile of A by a 32 x 16 tile of B
@@ -53,9 +56,11 @@
 
 #include <algorithm>
 #include <array>
+#include <concepts>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <type_traits>
 #include <new>
 
 LCE_BEGIN_NAMESPACE
@@ -102,12 +107,15 @@ using u16 = std::uint16_t;
 inline constexpr std::int64_t step = 32;           // k per TDPBF16PS
 inline constexpr std::int64_t tile_elements = 512;  // 16 rows x 32 bf16: one packed tile, 1 KiB
 
-// A bf16 matrix by its strides: element (i, j) = data[i * row + j * col].
-struct strided {
-  const u16* data;
+// A matrix by its strides: element (i, j) = data[i * row + j * col]. Elements are bf16 bits
+// (u16), or fp32 that the kernel takes to bf16 as it packs (see gemm).
+template <class Element>
+struct strided_of {
+  const Element* data;
   std::int64_t row, col;
-  const u16* at(std::int64_t i, std::int64_t j) const { return data + i * row + j * col; }
+  const Element* at(std::int64_t i, std::int64_t j) const { return data + i * row + j * col; }
 };
+using strided = strided_of<u16>;
 
 // Tiles 0-3 hold C's 32 x 32 block, 4-5 two 16-row tiles of A, 6-7 two 16-column tiles of B.
 struct alignas(64) tile_config {
@@ -170,6 +178,41 @@ LCE_AMX_TARGET inline __m512i load_32(const u16* p, std::int64_t count) {
   return _mm512_maskz_loadu_epi16((std::uint32_t{1} << count) - 1, p);
 }
 
+// Up to 16 floats from p, zeros past `count`.
+LCE_AMX_TARGET inline __m512 load_16f(const float* p, std::int64_t count) {
+  if (count >= 16) return _mm512_loadu_ps(p);
+  if (count <= 0) return _mm512_setzero_ps();
+  return _mm512_maskz_loadu_ps(static_cast<__mmask16>((1u << count) - 1), p);
+}
+
+// The bf16 bits of 16 floats in 32-bit lanes: round to nearest even, NaN kept and made quiet
+// (the rounding of lce::bfloat16 and detail::split_to_bf16).
+LCE_AMX_TARGET inline __m512i round_to_bf16_lanes(__m512 x) {
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(bits, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  return _mm512_mask_or_epi32(rounded, nan, _mm512_srli_epi32(bits, 16), _mm512_set1_epi32(0x40));
+}
+
+// 16 floats as 16 bf16 (B's values, bf16 already: exact).
+LCE_AMX_TARGET inline __m256i to_bf16(__m512 x) { return _mm512_cvtepi32_epi16(round_to_bf16_lanes(x)); }
+
+// 16 floats as two bf16 parts, hi = bf16(x) and lo = bf16(x - hi) (lo = 0 where hi is not finite).
+LCE_AMX_TARGET inline void split_16(__m512 x, __m256i& hi, __m256i& lo) {
+  const __m512i high_lanes = round_to_bf16_lanes(x);
+  const __m512 high = _mm512_castsi512_ps(_mm512_slli_epi32(high_lanes, 16));
+  const __mmask16 finite = _mm512_cmp_ps_mask(_mm512_sub_ps(high, high), _mm512_setzero_ps(), _CMP_EQ_OQ);
+  hi = _mm512_cvtepi32_epi16(high_lanes);
+  lo = to_bf16(_mm512_maskz_sub_ps(finite, x, high));
+}
+
+// Two halves of 16 bf16 as one row of 32.
+LCE_AMX_TARGET inline __m512i join(__m256i first, __m256i second) {
+  return _mm512_inserti64x4(_mm512_castsi256_si512(first), second, 1);
+}
+
 // Pairs of rows (r0, r1) of 16 bf16 each as 16 32-bit lanes (r0[c], r1[c]).
 LCE_AMX_TARGET inline __m512i interleave(__m256i r0, __m256i r1) {
   const __m512i index = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22, 6,
@@ -216,6 +259,61 @@ LCE_AMX_TARGET inline void pack_a_tile(const strided& a, std::int64_t m, std::in
   }
   transpose_16x16(v);
   for (int r = 0; r < 16; ++r) _mm512_storeu_si512(out + r * 32, v[r]);
+}
+
+// pack_b_tile for a B of floats holding bf16 values (dW's hidden rows, widened): rounded as packed.
+LCE_AMX_TARGET inline void pack_b_tile(const strided_of<float>& b, std::int64_t k, std::int64_t n, std::int64_t k0,
+                                       std::int64_t n0, u16* out) {
+  if (b.col == 1) {
+    for (int p = 0; p < 16; ++p) {
+      const std::int64_t r = k0 + 2 * p;
+      const __m256i r0 = r < k ? to_bf16(load_16f(b.at(r, n0), n - n0)) : _mm256_setzero_si256();
+      const __m256i r1 = r + 1 < k ? to_bf16(load_16f(b.at(r + 1, n0), n - n0)) : _mm256_setzero_si256();
+      _mm512_storeu_si512(out + p * 32, interleave(r0, r1));
+    }
+    return;
+  }
+  __m512i v[16];
+  for (int c = 0; c < 16; ++c) {
+    const float* column = b.at(k0, n0 + c);
+    v[c] = n0 + c < n ? join(to_bf16(load_16f(column, k - k0)), to_bf16(load_16f(column + 16, k - k0 - 16)))
+                      : _mm512_setzero_si512();
+  }
+  transpose_16x16(v);
+  for (int p = 0; p < 16; ++p) _mm512_storeu_si512(out + p * 32, v[p]);
+}
+
+// pack_a_tile for an A of floats: both bf16 parts of each element, hi into `out`, lo into `lo_out`.
+LCE_AMX_TARGET inline void pack_a_tile(const strided_of<float>& a, std::int64_t m, std::int64_t k, std::int64_t m0,
+                                       std::int64_t k0, u16* out, u16* lo_out) {
+  if (a.col == 1) {  // k along memory
+    for (int r = 0; r < 16; ++r) {
+      __m256i hi[2], lo[2];
+      for (int h = 0; h < 2; ++h) {
+        const __m512 x = m0 + r < m ? load_16f(a.at(m0 + r, k0 + 16 * h), k - k0 - 16 * h) : _mm512_setzero_ps();
+        split_16(x, hi[h], lo[h]);
+      }
+      _mm512_storeu_si512(out + r * 32, join(hi[0], hi[1]));
+      _mm512_storeu_si512(lo_out + r * 32, join(lo[0], lo[1]));
+    }
+    return;
+  }
+  // Rows along memory (a.row == 1): as for bf16, each part interleaved in pairs and transposed.
+  __m512i hi[16], lo[16];
+  for (int p = 0; p < 16; ++p) {
+    const std::int64_t kk = k0 + 2 * p;
+    __m256i hi0, lo0, hi1, lo1;
+    split_16(kk < k ? load_16f(a.at(m0, kk), m - m0) : _mm512_setzero_ps(), hi0, lo0);
+    split_16(kk + 1 < k ? load_16f(a.at(m0, kk + 1), m - m0) : _mm512_setzero_ps(), hi1, lo1);
+    hi[p] = interleave(hi0, hi1);
+    lo[p] = interleave(lo0, lo1);
+  }
+  transpose_16x16(hi);
+  transpose_16x16(lo);
+  for (int r = 0; r < 16; ++r) {
+    _mm512_storeu_si512(out + r * 32, hi[r]);
+    _mm512_storeu_si512(lo_out + r * 32, lo[r]);
+  }
 }
 
 // C's 32 x 32 block in tiles 0-3 from or to fp32 rows `ld` floats apart.
@@ -371,14 +469,19 @@ struct blocking {
 };
 
 // C[m, n] = alpha A[m, k] B[k, n] + beta C, A and B by their strides, C row-major with ldc.
-LCE_AMX_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, strided a, strided b,
-                                float beta, float* c, std::int64_t ldc) {
+// A of floats is taken as two bf16 parts, hi + lo, each multiplied by the same packed B
+// (split); B of floats must hold bf16 values (rounded as packed).
+template <class AElement, class BElement>
+LCE_AMX_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, strided_of<AElement> a,
+                                strided_of<BElement> b, float beta, float* c, std::int64_t ldc) {
+  constexpr bool split = std::is_same_v<AElement, float>;
   // A is read in place when k runs along memory, unless its rows alias in L1: at a row
   // stride that is a multiple of 512 bytes (H = 1,024 in bf16 is 2 KiB) a tile's 16 rows
   // fall in at most 8 of L1's 64 sets, and two tiles overflow its 12 ways. Packed, the
   // vocabulary order's [1,024, 1,024] logits at depth 1,024 ran 1,002-1,059 GFLOP/s on
-  // one thread instead of 575-619.
-  const bool a_in_place = a.col == 1 && (a.row * 2) % 512 != 0;
+  // one thread instead of 575-619. A split A is always packed.
+  bool a_in_place = false;
+  if constexpr (!split) a_in_place = a.col == 1 && (a.row * 2) % 512 != 0;
   const blocking cut = blocking::choose(n, k, a_in_place);
   const std::int64_t panels = cut.columns / 32;
   // Whole 32 x 32 blocks of C with alpha = 1 and beta 0 or 1 go to and from the tiles as they
@@ -386,11 +489,14 @@ LCE_AMX_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int64_t k, 
   // after each depth block (alpha times the block's sum, plus beta C after the first).
   const bool c_in_place_allowed = alpha == 1.0f && (beta == 0.0f || beta == 1.0f);
   u16* const b_pack = thread_scratch::get<0>(static_cast<std::size_t>(cut.packed_b_elements()));
-  u16* const a_pack = thread_scratch::get<1>(static_cast<std::size_t>(cut.packed_a_elements()));
+  // A split: lo's two halves one panel stride after hi's, at the same offsets modulo 4 KiB.
+  u16* const a_pack = thread_scratch::get<1>(
+      static_cast<std::size_t>((split ? cut.pair_stride : 0) + cut.packed_a_elements()));
   const auto b_stream = [&](std::int64_t j) {  // the packed tiles of B's columns 16 j .. 16 j + 15
     return b_pack + j / 2 * cut.pair_stride + 2 * kib + (j % 2) * (cut.stream + kib);
   };
   u16* const a_half[2] = {a_pack, a_pack + cut.stream + kib};
+  u16* const a_lo_half[2] = {a_half[0] + cut.pair_stride, a_half[1] + cut.pair_stride};
   alignas(64) float block[32 * 32];
 
   load_tile_config();
@@ -415,7 +521,12 @@ LCE_AMX_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int64_t k, 
         const std::int64_t rows = std::min<std::int64_t>(32, m - m0);
         const bool direct = a_in_place && rows == 32;
         a_tiles in_place{};
-        if (direct) {
+        if constexpr (split) {
+          for (int h = 0; h < 2; ++h)
+            for (std::int64_t s = 0; s < steps; ++s)
+              pack_a_tile(a, m, k, m0 + 16 * h, k0 + s * step, a_half[h] + s * tile_elements,
+                          a_lo_half[h] + s * tile_elements);
+        } else if (direct) {
           in_place = {{a.at(m0, k0), a.at(m0 + 16, k0)}, step, a.row * 2};
           if (full_steps < steps)  // the ragged last step, zero-padded
             for (int h = 0; h < 2; ++h)
@@ -427,6 +538,7 @@ LCE_AMX_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int64_t k, 
         }
         packed_stores_done();
         const a_tiles packed{{a_half[0], a_half[1]}, direct ? 0 : tile_elements, 64};
+        const a_tiles packed_lo{{a_lo_half[0], a_lo_half[1]}, tile_elements, 64};
         for (std::int64_t p = 0; p < these_panels; ++p) {
           const std::int64_t col = n0 + p * 32;
           const bool c_in_place = c_in_place_allowed && rows == 32 && n - col >= 32;
@@ -449,6 +561,7 @@ LCE_AMX_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int64_t k, 
               multiply_steps(packed, b0 + full_steps * tile_elements, b1 + full_steps * tile_elements, 1);
           } else {
             multiply_steps(packed, b0, b1, steps);
+            if constexpr (split) multiply_steps(packed_lo, b0, b1, steps);
           }
           if (c_in_place) {
             store_c_tiles(c_block, ldc);
@@ -463,14 +576,16 @@ LCE_AMX_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int64_t k, 
   _tile_release();
 }
 
-// The most packed A takes: two streams of a 1,024-deep block and their offsets, in 4 KiB.
-inline constexpr std::int64_t packed_a_bytes_max = (2 * (2 * (1024 / step) * kib + 2 * kib) + 4095) / 4096 * 4096;
+// The most packed A takes: two streams of a 1,024-deep block and their offsets, twice for a
+// split A (hi at a panel stride from lo), in 4 KiB.
+inline constexpr std::int64_t packed_a_bytes_max =
+    (2 * ((2 * (1024 / step) * kib + 4 * kib) + 2 * (1024 / step) * kib + 2 * kib) + 4095) / 4096 * 4096;
 
 }  // namespace amx
 
 // The most scratch the kernel holds on a thread that has called it, whatever the shapes:
 // packed B and packed A, grown to the largest call and kept (reused) for the thread's life,
-// as a BLAS keeps its own buffers. 1,156 KiB; C is never copied.
+// as a BLAS keeps its own buffers. 1,224 KiB; C is never copied.
 inline constexpr std::size_t amx_bf16_gemm_scratch_bytes =
     static_cast<std::size_t>(amx::packed_b_bytes_max + amx::packed_a_bytes_max);
 
@@ -495,6 +610,30 @@ inline void amx_bf16_gemm(transpose ta, transpose tb, std::int64_t m, std::int64
   amx::gemm(m, n, k, alpha, a_view, b_view, beta, c, ldc);
 }
 
+// Row-major C[m, n] = alpha (hi(A) + lo(A)) op(B) + beta C on AMX tiles, A in fp32 taken to
+// 16 significant bits as two bf16 parts, hi = bf16(a) and lo = bf16(a - hi) (as
+// detail::split_to_bf16), each multiplied by B in bf16; every sum in fp32. B is bf16, or
+// fp32 holding bf16 values (rounded to nearest as it is packed). For a bfloat16 weight's dX
+// (dz W) and dW (dz^T X) with dz kept to 16 bits, without splitting dz in a pass of its own.
+template <class BElement>
+  requires std::same_as<BElement, bfloat16> || std::same_as<BElement, float>
+inline void amx_split_bf16_gemm(transpose ta, transpose tb, std::int64_t m, std::int64_t n, std::int64_t k,
+                                float alpha, const float* a, std::int64_t lda, const BElement* b, std::int64_t ldb,
+                                float beta, float* c, std::int64_t ldc) {
+  if (m <= 0 || n <= 0) return;
+  using B = std::conditional_t<std::same_as<BElement, float>, float, std::uint16_t>;
+  const auto* bb = reinterpret_cast<const B*>(b);
+  const amx::strided_of<float> a_view = ta == transpose::no ? amx::strided_of<float>{a, lda, 1}
+                                                            : amx::strided_of<float>{a, 1, lda};
+  const amx::strided_of<B> b_view = tb == transpose::no ? amx::strided_of<B>{bb, ldb, 1} : amx::strided_of<B>{bb, 1, ldb};
+  if (k <= 0) {  // C = beta C
+    for (std::int64_t i = 0; i < m; ++i)
+      for (std::int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.0f ? 0.0f : beta * c[i * ldc + j];
+    return;
+  }
+  amx::gemm(m, n, k, alpha, a_view, b_view, beta, c, ldc);
+}
+
 #pragma GCC diagnostic pop
 #undef LCE_AMX_TARGET
 
@@ -507,6 +646,12 @@ inline std::size_t amx_bf16_gemm_thread_scratch_bytes() { return 0; }
 // Never called: amx_bf16_gemm_available() is false here.
 inline void amx_bf16_gemm(transpose, transpose, std::int64_t, std::int64_t, std::int64_t, float, const bfloat16*,
                           std::int64_t, const bfloat16*, std::int64_t, float, float*, std::int64_t) {
+  std::abort();
+}
+
+template <class BElement>
+inline void amx_split_bf16_gemm(transpose, transpose, std::int64_t, std::int64_t, std::int64_t, float, const float*,
+                                std::int64_t, const BElement*, std::int64_t, float, float*, std::int64_t) {
   std::abort();
 }
 
