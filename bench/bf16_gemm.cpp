@@ -212,7 +212,6 @@ int main(int argc, char** argv) {
     lce::host_bf16_operands ops_host{int(threads)};
     std::vector<float> block(std::size_t(host.weight_block_elements<bf16_t>(H, V)));
     using cf = const float;
-    const auto cf_view = [](matrix_view<float> m) { return matrix_view<const float>(m); };
     using cb = const bf16_t;
     const matrix_view<cb> Xb{xb.data(), C, H, H}, Wb{wb.data(), V, H, H};
     const matrix_view<cf> Xf{xf.data(), C, H, H}, Wf{wf.data(), V, H, H}, Dz{dz.data(), C, V, V};
@@ -253,7 +252,9 @@ int main(int argc, char** argv) {
                     }});
     work.push_back({"lce bf16", "dX", [&] { host.grad_hidden<float, bf16_t>(Dz, Wb, 1.0f, DX, block.data()); }});
     // The engine tells the backend the weight's type (lce::weight_element), as here.
-    work.push_back({"lce bf16", "dW", [&] { host.grad_weight(Dz, cf_view(XW), 1.0f, DW, lce::weight_element<bf16_t>{}); }});
+    work.push_back({"lce bf16", "dW", [&] {
+                      host.grad_weight(Dz, matrix_view<cf>(XW), 1.0f, DW, lce::weight_element<bf16_t>{});
+                    }});
     if (logits_b) work.push_back({"dnnl bf16", "logits", [&] { logits_b->run(eng, stream, xb.data(), wb.data(), z.data()); }});
     work.push_back({"dnnl bf16", "dz->bf16", [&] { host.copy(Dz, matrix_view<bf16_t>{dzb.data(), C, V, V}); }});
     if (dx_b) work.push_back({"dnnl bf16", "dX", [&] { dx_b->run(eng, stream, dzb.data(), wb.data(), dx.data()); }});

@@ -37,6 +37,7 @@
 #include <fstream>
 #include <memory>
 #include <new>
+#include <optional>
 #include <string>
 #include <thread>
 #include <type_traits>
@@ -219,18 +220,23 @@ int main(int argc, char** argv) {
 
   lce::options opt;
   opt.chunk_tokens = chunk;
+  // The operator --dtype asks for (only that one is made: each holds a thread pool), and
+  // with_op(f) calls f(op, X, W) on it with X and W as it stores them.
   using single = lce::comm::single;
-  lce::ChunkedHiddenToLogprobs<single, float, lce::budget_chunk, lce::host> op{single{}, opt, lce::host{threads}};
-  lce::ChunkedHiddenToLogprobs<single, lce::bfloat16, lce::budget_chunk, lce::host> op_bf16{single{}, opt,
-                                                                                             lce::host{threads}};
-  lce::ChunkedHiddenToLogprobs<single, lce::bfloat16, lce::budget_chunk, lce::host_bf16_operands> op_operands{
-      single{}, opt, lce::host_bf16_operands{threads}};
-  const std::size_t workspace = dtype == "float"      ? op.workspace_bytes(N, H, V)
-                                : dtype == "bfloat16" ? op_bf16.workspace_bytes(N, H, V)
-                                                      : op_operands.workspace_bytes(N, H, V);
-  const std::int64_t chunk_used = dtype == "float"      ? op.chunk_tokens(N, H, V)
-                                  : dtype == "bfloat16" ? op_bf16.chunk_tokens(N, H, V)
-                                                        : op_operands.chunk_tokens(N, H, V);
+  std::optional<lce::ChunkedHiddenToLogprobs<single, float, lce::budget_chunk, lce::host>> op_float;
+  std::optional<lce::ChunkedHiddenToLogprobs<single, lce::bfloat16, lce::budget_chunk, lce::host>> op_bf16;
+  std::optional<lce::ChunkedHiddenToLogprobs<single, lce::bfloat16, lce::budget_chunk, lce::host_bf16_operands>>
+      op_operands;
+  if (dtype == "float") op_float.emplace(single{}, opt, lce::host{threads});
+  else if (dtype == "bfloat16") op_bf16.emplace(single{}, opt, lce::host{threads});
+  else op_operands.emplace(single{}, opt, lce::host_bf16_operands{threads});
+  const auto with_op = [&](auto&& f) {
+    if (op_float) return f(*op_float, x.data(), w.data());
+    if (op_bf16) return f(*op_bf16, xb.data(), wb.data());
+    return f(*op_operands, xb.data(), wb.data());
+  };
+  const std::size_t workspace = with_op([&](auto& op, auto*, auto*) { return op.workspace_bytes(N, H, V); });
+  const std::int64_t chunk_used = with_op([&](auto& op, auto*, auto*) { return op.chunk_tokens(N, H, V); });
 
   const double element = bf16 ? 2.0 : 4.0;  // X and W as stored; dX and dW in fp32
   const double io_bytes = element * double(N * H + V * H) + 4.0 * double(N * H + V * H + 2 * N) + 8.0 * double(N);
@@ -281,11 +287,7 @@ int main(int argc, char** argv) {
                            lce::vector_view<const float>{g.data(), N}, lce::vector_view<float>{logp.data(), N},
                            lce::matrix_view<float>{dx.data(), N, H}, lce::matrix_view<float>{dw.data(), V, H});
   };
-  const measurement a = measure(zero_dw, [&] {
-    if (dtype == "float") sweep(op, x.data(), w.data());
-    else if (dtype == "bfloat16") sweep(op_bf16, xb.data(), wb.data());
-    else sweep(op_operands, xb.data(), wb.data());
-  });
+  const measurement a = measure(zero_dw, [&] { with_op(sweep); });
   // (b) materialised reference; its outputs are allocated (and touched) only now, so
   // that they are not in the peak RSS of (a)
   std::vector<float> ref_logp(sz(N)), ref_dx(sz(with_reference ? N * H : 0)),

@@ -207,10 +207,13 @@ class basic_host {
                    A beta = A(0)) {
     if (dx.rows == 0 || dx.cols == 0) return;
     [[maybe_unused]] const provider_scope scope;
-    constexpr bool bf16_dz = std::same_as<O, bfloat16>;
+    // Tiles over the whole vocabulary on a bf16 GEMM (bf16 dz, or dz split as it is packed)
+    // are at least 512 x 512; the others at least 256 x 256.
+    bool whole_depth_bf16 = std::same_as<O, bfloat16>;
+    if constexpr (split_bf16_weight<A, T>) whole_depth_bf16 = gemm_.split_bf16_gemm_available();
     const output_tiling tiles(dx.rows, dx.cols, tile_target,
-                              bf16_dz ? output_tiling::bf16_operand_floor : output_tiling::min_rows,
-                              bf16_dz ? output_tiling::bf16_operand_floor : output_tiling::min_cols);
+                              whole_depth_bf16 ? output_tiling::bf16_operand_floor : output_tiling::min_rows,
+                              whole_depth_bf16 ? output_tiling::bf16_operand_floor : output_tiling::min_cols);
     if constexpr (weight_as_stored<O, T>) {
       for_gemm_tiles(tiles.count(), [&](std::int64_t t) {
         const auto [r0, rows, c0, cols] = tiles.tile(t);
@@ -220,11 +223,9 @@ class basic_host {
     } else {
       if constexpr (split_bf16_weight<A, T>) {
         // dz as it is, split as the provider packs it: dX's tiles over the whole vocabulary.
-        if (gemm_.split_bf16_gemm_available()) {
-          const output_tiling whole(dx.rows, dx.cols, tile_target, output_tiling::bf16_operand_floor,
-                                    output_tiling::bf16_operand_floor);
-          for_gemm_tiles(whole.count(), [&](std::int64_t t) {
-            const auto [r0, rows, c0, cols] = whole.tile(t);
+        if (whole_depth_bf16) {
+          for_gemm_tiles(tiles.count(), [&](std::int64_t t) {
+            const auto [r0, rows, c0, cols] = tiles.tile(t);
             gemm_.split_bf16_gemm(transpose::no, transpose::no, rows, cols, w.rows, alpha, dz.row(r0), dz.ld,
                                   w.data + c0, w.ld, beta, dx.row(r0) + c0, dx.ld);
           });

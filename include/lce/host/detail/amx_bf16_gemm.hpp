@@ -389,22 +389,18 @@ struct thread_scratch {
   template <int Slot>
   static u16* get(std::size_t elements) {
     slot& s = slots()[Slot];
-    if (s.capacity < elements) {
+    const std::size_t bytes = (elements * sizeof(u16) + 4095) / 4096 * 4096;
+    if (s.bytes < bytes) {
       s.memory.reset();
-      s.capacity = 0;
-      const std::size_t bytes = (elements * sizeof(u16) + 4095) / 4096 * 4096;
+      s.bytes = 0;
       s.memory.reset(std::aligned_alloc(4096, bytes));
       if (!s.memory) throw std::bad_alloc();
-      s.capacity = elements;
+      s.bytes = bytes;
     }
     return static_cast<u16*>(s.memory.get());
   }
 
-  static std::size_t bytes() {
-    std::size_t total = 0;
-    for (const slot& s : slots()) total += s.memory ? (s.capacity * sizeof(u16) + 4095) / 4096 * 4096 : 0;
-    return total;
-  }
+  static std::size_t bytes() { return slots()[0].bytes + slots()[1].bytes; }
 
  private:
   struct aligned_free {
@@ -412,7 +408,7 @@ struct thread_scratch {
   };
   struct slot {
     std::unique_ptr<void, aligned_free> memory;
-    std::size_t capacity = 0;
+    std::size_t bytes = 0;
   };
   static std::array<slot, 2>& slots() {
     thread_local std::array<slot, 2> held;
