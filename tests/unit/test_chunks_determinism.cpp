@@ -1,4 +1,5 @@
 // Chunk sizes, bitwise determinism across thread counts, workspace_bytes.
+#include "support/device_shaped_backend.hpp"
 #include "support/harness.hpp"
 
 extern "C" void openblas_set_num_threads(int);
@@ -90,6 +91,32 @@ TEST_CASE("a run-time policy's answer is the most rows: the tokens go in the few
   auto explicit_op = make_op<float, at_most_four_rows>(make_options(1.0f, 0.0f, 4));
   CHECK(explicit_op.chunk_tokens(9, p.h, p.v) == 4);
   check_against_reference(exercise<float, float>(explicit_op, p, g, hg, pre), p, g, hg, pre);
+}
+
+TEST_CASE("budget_chunk stops at the backend's enough_chunk_rows: the host's 512, none for a GPU-shaped backend") {
+  // H 64, V 1,000: a row of the plan is a few KiB, so the default 256 MiB budget holds tens of thousands.
+  const std::int64_t h = 64, v = 1000;
+  static_assert(lce::enough_chunk_rows<lce::host>() == 512);
+  static_assert(lce::enough_chunk_rows<lce_test::device_shaped_backend<>>() == INT64_MAX);
+  auto host_op = make_op<float>(make_options(1.0f, 0.0f, 0));
+  const lce::ChunkedHiddenToLogprobs<lce::comm::single, lce::bfloat16, lce::budget_chunk,
+                                     lce_test::device_shaped_backend<>>
+      device_op(lce::comm::single{}, make_options(1.0f, 0.0f, 0), lce_test::device_shaped_backend<>{});
+  CHECK(device_op.chunk_tokens(16384, h, v) == 16384);
+  CHECK(host_op.chunk_tokens(16384, h, v) == 512);
+  CHECK(host_op.chunk_tokens(512, h, v) == 512);
+  CHECK(host_op.chunk_tokens(300, h, v) == 300);
+  CHECK(host_op.chunk_tokens(1100, h, v) == 367);  // evened: three chunks, not 512 + 512 + 76
+  // Under a budget smaller than 512 rows, the budget decides as before.
+  lce::options tight = make_options(1.0f, 0.0f, 0);
+  tight.workspace_limit_bytes = std::size_t{1} << 20;
+  const std::int64_t budget_rows = make_op<float>(tight).chunk_tokens(16384, h, v);
+  CHECK(budget_rows < 512);
+  CHECK(budget_rows > 32);
+  // The workspace follows: 512 rows' logit block, not the budget's.
+  CHECK(host_op.workspace_bytes(16384, h, v) < std::size_t{512 + 64} * v * sizeof(float) + (std::size_t{2} << 20));
+  // An explicit chunk_tokens is taken as it is, above the host's 512 too.
+  CHECK(make_op<float>(make_options(1.0f, 0.0f, 2048)).chunk_tokens(16384, h, v) == 2048);
 }
 
 TEST_CASE_TEMPLATE("outputs are bitwise identical across runs and thread counts", T, float, double, lce::bfloat16,

@@ -117,6 +117,21 @@ constexpr std::size_t vocabulary_block_bytes() {
     return std::size_t{16} << 20;
 }
 
+// The chunk rows from which a bigger chunk buys this backend no speed, only
+// memory: budget_chunk stops there (chunk_request::enough_rows). Each chunk
+// costs a read-modify-write of the [V_local, H] dW, against 6 C V_local H
+// flops for its three GEMMs: the share of time it costs falls as 1 / C at any
+// vocabulary and hidden size. A backend whose GEMMs run far faster than its
+// memory streams dW (a GPU: a fraction of the chunk's time at 512 rows)
+// leaves it out and the budget alone decides, for the fewest chunks.
+template <class Backend>
+constexpr std::int64_t enough_chunk_rows() {
+  if constexpr (requires { Backend::enough_chunk_rows; })
+    return Backend::enough_chunk_rows;
+  else
+    return INT64_MAX;
+}
+
 // Whether the gradient pass writes each row's dz, in the GEMM operand type,
 // over the start of that row's own logits (the host: a row is read before it
 // is overwritten, one row at a time), so that no separate operand block is

@@ -35,6 +35,9 @@ struct chunk_request {
   std::size_t bytes_per_token = 0;  // workspace bytes each chunk row costs
   std::size_t fixed_bytes = 0;      // workspace bytes independent of the chunk
   std::size_t workspace_limit_bytes = 0;
+  // The backend's rows from which a bigger chunk buys no speed, only memory
+  // (enough_chunk_rows in core/backend.hpp); INT64_MAX: no such point.
+  std::int64_t enough_rows = INT64_MAX;
 };
 
 template <class P>
@@ -51,13 +54,15 @@ struct fixed_chunk {
 };
 
 // The default: the largest chunk whose workspace fits `workspace_limit_bytes`
-// (at least one row, whatever the limit).
+// (at least one row, whatever the limit), and no more than the backend's
+// enough_rows: past them the budget would only hold memory for nothing.
 struct budget_chunk {
   constexpr std::int64_t tokens_per_chunk(const chunk_request& request) const {
     const std::size_t per_token = std::max<std::size_t>(request.bytes_per_token, 1);
     if (request.workspace_limit_bytes <= request.fixed_bytes) return 1;
     const std::size_t fits = (request.workspace_limit_bytes - request.fixed_bytes) / per_token;
-    return std::max<std::int64_t>(1, static_cast<std::int64_t>(std::min<std::size_t>(fits, INT64_MAX)));
+    const std::int64_t rows = static_cast<std::int64_t>(std::min<std::size_t>(fits, INT64_MAX));
+    return std::max<std::int64_t>(1, std::min(rows, request.enough_rows));
   }
 };
 
@@ -85,5 +90,10 @@ concept fixed_chunk_policy = chunk_policy<P> && requires {
 };
 
 static_assert(chunk_policy<budget_chunk> && fixed_chunk_policy<fixed_chunk<256>> && !fixed_chunk_policy<budget_chunk>);
+static_assert(budget_chunk{}.tokens_per_chunk({.bytes_per_token = 100, .workspace_limit_bytes = 100'000}) == 1000 &&
+              budget_chunk{}.tokens_per_chunk(
+                  {.bytes_per_token = 100, .workspace_limit_bytes = 100'000, .enough_rows = 512}) == 512 &&
+              budget_chunk{}.tokens_per_chunk({.bytes_per_token = 100, .workspace_limit_bytes = 10'000,
+                                               .enough_rows = 512}) == 100);
 
 LCE_END_NAMESPACE

@@ -577,6 +577,7 @@ class engine {
       request.bytes_per_token = saturated(workspace_plan<Compute>::bytes_per_token(shape));
       request.fixed_bytes = saturated(workspace_plan<Compute>::fixed_bytes(shape));
       request.workspace_limit_bytes = options_.workspace_limit_bytes;
+      request.enough_rows = enough_chunk_rows<Backend>();
       rows = std::max<std::int64_t>(1, static_cast<std::int64_t>(Chunk{}.tokens_per_chunk(request)));
       evened = true;
     }
