@@ -126,10 +126,12 @@ constexpr std::size_t vocabulary_block_bytes() {
 // leaves it out and the budget alone decides, for the fewest chunks.
 template <class Backend>
 constexpr std::int64_t enough_chunk_rows() {
-  if constexpr (requires { Backend::enough_chunk_rows; })
+  if constexpr (requires { Backend::enough_chunk_rows; }) {
+    static_assert(Backend::enough_chunk_rows > 0, "a backend's enough_chunk_rows must be at least one row");
     return Backend::enough_chunk_rows;
-  else
+  } else {
     return INT64_MAX;
+  }
 }
 
 // Whether the gradient pass writes each row's dz, in the GEMM operand type,
