@@ -815,7 +815,7 @@ class engine {
   // sum into and read back. Then, where the vocabulary order holds less
   // still than the token order so chosen (one chunk over the budget, or
   // several and the accumulator), the call sweeps that way
-  // (vocabulary_tiles_plan). A call whose tokens fit the budget's chunk keeps
+  // (vocabulary_tiles_plan). A call whose tokens fit the policy's chunk keeps
   // the token order: one chunk, 3 GEMMs in a forward_backward. Each side is
   // weighed with one dW tile, or the vocabulary order with token slices
   // with its tile's accumulator (from the shapes alone), so that the plan,
