@@ -126,11 +126,14 @@ class basic_host {
   // checks its arguments against this before any work.
   static constexpr std::int64_t max_gemm_extent = INT_MAX;
 
-  // A chunk of 512 rows already runs the host's GEMMs and dW's pass at full
-  // speed: through lce_torch at H 1,024, V 32,000, 2 threads, N 1,024 and
-  // 4,096 took the same time in chunks of 512 as in the budget's 1,024 and
-  // 2,048 (0.60 / 0.61 s, 2.44 / 2.43 s; 384 rows within 3%, 256 rows 8%
-  // slower), with half to a third of the workspace (62 MiB against 125 / 167).
+  // From 512 rows a bigger chunk buys little but memory. Through lce_torch
+  // (MKL's sgemm) at H 1,024, V 32,000, 2 threads, N 1,024 and 4,096 took the
+  // same time in chunks of 512 as in the budget's 1,024 and 2,048 (0.60 /
+  // 0.61 s, 2.44 / 2.43 s; 384 rows within 3%, 256 rows 8% slower), with half
+  // to a third of the workspace (62 MiB against 125 / 167). On OpenBLAS
+  // (lce_demo, float, N 4,096) chunks of 512 took 2.69-2.76 s against
+  // 2.48-2.65 for chunks of 2,048 (four rounds): about 6% for 3 more passes
+  // over dW, for 64.5 MiB of workspace instead of 256.
   static constexpr std::int64_t enough_chunk_rows = 512;
 
   // Large blocks get transparent huge pages where the kernel offers them
