@@ -117,7 +117,7 @@ constexpr std::size_t vocabulary_block_bytes() {
     return std::size_t{16} << 20;
 }
 
-// The chunk rows from which a bigger chunk buys this backend no speed, only
+// The chunk rows from which a bigger chunk buys this backend little but
 // memory: budget_chunk stops there (chunk_request::enough_rows). Each chunk
 // costs a read-modify-write of the [V_local, H] dW, against 6 C V_local H
 // flops for its three GEMMs: the share of time it costs falls as 1 / C at any

@@ -35,7 +35,7 @@ struct chunk_request {
   std::size_t bytes_per_token = 0;  // workspace bytes each chunk row costs
   std::size_t fixed_bytes = 0;      // workspace bytes independent of the chunk
   std::size_t workspace_limit_bytes = 0;
-  // The backend's rows from which a bigger chunk buys no speed, only memory
+  // The backend's rows from which a bigger chunk buys little but memory
   // (enough_chunk_rows in core/backend.hpp); INT64_MAX: no such point.
   std::int64_t enough_rows = INT64_MAX;
 };
@@ -55,7 +55,7 @@ struct fixed_chunk {
 
 // The default: the largest chunk whose workspace fits `workspace_limit_bytes`
 // (at least one row, whatever the limit), and no more than the backend's
-// enough_rows: past them the budget would only hold memory for nothing.
+// enough_rows: past them it would hold memory for little speed.
 struct budget_chunk {
   constexpr std::int64_t tokens_per_chunk(const chunk_request& request) const {
     const std::size_t per_token = std::max<std::size_t>(request.bytes_per_token, 1);
