@@ -25,6 +25,13 @@ namespace {
 using lce::bfloat16;
 using lce::transpose;
 
+// Whether lce's AMX kernel runs on this CPU (and OS); where it does not, the test says so.
+bool amx_runs_here() {
+  if (lce::detail::amx_bf16_gemm_available()) return true;
+  MESSAGE("skipped: this CPU (or OS) gives no AMX tiles, so lce's AMX kernel does not run here");
+  return false;
+}
+
 struct problem {
   std::int64_t m, n, k;
   transpose ta, tb;
@@ -145,10 +152,7 @@ void for_each_problem(const std::int64_t (&shapes)[Shapes][3], Check&& check) {
 }  // namespace
 
 TEST_CASE("AMX split bf16 GEMM: A in fp32 as hi + lo, B in bf16 or fp32, every transpose, alpha and beta") {
-  if (!lce::detail::amx_bf16_gemm_available()) {
-    MESSAGE("skipped: this CPU (or OS) gives no AMX tiles, so lce's AMX kernel does not run here");
-    return;
-  }
+  if (!amx_runs_here()) return;
   std::mt19937 rng(2027);
   const std::int64_t shapes[][3] = {{32, 32, 32}, {1, 1, 1}, {17, 45, 3}, {33, 31, 100}, {64, 64, 1024},
                                     {40, 70, 1100}, {96, 33, 2100}};
@@ -162,10 +166,7 @@ TEST_CASE("AMX split bf16 GEMM: A in fp32 as hi + lo, B in bf16 or fp32, every t
 }
 
 TEST_CASE("AMX bf16 GEMM: every transpose, ragged and whole blocks, deep sums, alpha and beta") {
-  if (!lce::detail::amx_bf16_gemm_available()) {
-    MESSAGE("skipped: this CPU (or OS) gives no AMX tiles, so lce's AMX kernel does not run here");
-    return;
-  }
+  if (!amx_runs_here()) return;
   std::mt19937 rng(2026);
   // Whole blocks (in-place C), ragged edges, one depth step, depths past one and two depth
   // blocks (1,024) with a ragged last step; m over 32 with A packed (transposed).
@@ -175,10 +176,7 @@ TEST_CASE("AMX bf16 GEMM: every transpose, ragged and whole blocks, deep sums, a
 }
 
 TEST_CASE("AMX bf16 GEMM: lce_torch's shapes (logits into a wide C, dX over the vocabulary, dW)") {
-  if (!lce::detail::amx_bf16_gemm_available()) {
-    MESSAGE("skipped: this CPU (or OS) gives no AMX tiles, so lce's AMX kernel does not run here");
-    return;
-  }
+  if (!amx_runs_here()) return;
   std::mt19937 rng(7);
   CHECK(run({64, 200, 256, transpose::no, transpose::yes, 1.0f, 0.0f}, rng) <= 1.0);  // logits
   CHECK(run({64, 96, 3000, transpose::no, transpose::no, 1.0f, 0.0f}, rng) <= 1.0);   // dX
@@ -190,10 +188,7 @@ TEST_CASE("AMX bf16 GEMM: lce_torch's shapes (logits into a wide C, dX over the 
 }
 
 TEST_CASE("AMX bf16 GEMM: an empty C or depth") {
-  if (!lce::detail::amx_bf16_gemm_available()) {
-    MESSAGE("skipped: this CPU (or OS) gives no AMX tiles, so lce's AMX kernel does not run here");
-    return;
-  }
+  if (!amx_runs_here()) return;
   std::vector<float> c = {1.0f, 2.0f, 3.0f, 4.0f};
   const bfloat16 none{};
   lce::detail::amx_bf16_gemm(transpose::no, transpose::no, 2, 2, 0, 1.0f, &none, 1, &none, 2, 0.5f, c.data(), 2);
@@ -205,10 +200,7 @@ TEST_CASE("AMX bf16 GEMM: an empty C or depth") {
 }
 
 TEST_CASE("AMX bf16 GEMM: its scratch per thread stays within amx_bf16_gemm_scratch_bytes") {
-  if (!lce::detail::amx_bf16_gemm_available()) {
-    MESSAGE("skipped: this CPU (or OS) gives no AMX tiles, so lce's AMX kernel does not run here");
-    return;
-  }
+  if (!amx_runs_here()) return;
   // A fresh thread, so that its scratch starts empty. Shallow and wide (each 16-column stream
   // padded to 4 KiB), deep with ragged blocks and alpha != 1 (the sum between depth blocks
   // goes through C, not scratch), tall (C's rows never in scratch), and A packed at depth
