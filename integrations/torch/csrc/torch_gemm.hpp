@@ -14,13 +14,13 @@
 // bfloat16: on a CPU with AMX (Sapphire Rapids and later Xeons), lce's own
 // AMX kernel (lce/host/detail/amx_bf16_gemm.hpp). On a 2-core AMX Xeon, in one
 // process, a bf16 step took 0.99-1.23x plain PyTorch's time with it against
-// 1.18-1.37x with MKL's (README, PyTorch). Elsewhere, the bf16 x bf16 -> fp32
-// GEMM of the MKL that PyTorch's x86 wheels carry inside libtorch_cpu
-// (cblas_gemm_bf16bf16f32: AVX512-BF16 kernels where the CPU has them, fp32
-// accumulation), looked up at run time in the libtorch_cpu this process
-// loaded, so a torch without it (aarch64, a build without MKL) still loads;
-// without either, each bf16 GEMM widens its operands to fp32 for the BLAS
-// (lce::detail::widening_bf16_gemm). LCE_TORCH_BF16_GEMM=amx|mkl|widen asks
+// 1.18-1.37x with MKL's (README, PyTorch). On other CPUs with AVX512-BF16, the
+// bf16 x bf16 -> fp32 GEMM of the MKL that PyTorch's x86 wheels carry inside
+// libtorch_cpu (cblas_gemm_bf16bf16f32, fp32 accumulation), looked up at run
+// time in the libtorch_cpu this process loaded, so a torch without it
+// (aarch64, a build without MKL) still loads. Without bf16 instructions (or
+// without that MKL), each bf16 GEMM widens its operands to fp32 for the BLAS
+// (lce::detail::widening_bf16_gemm): MKL's emulation was the slower of the two. LCE_TORCH_BF16_GEMM=amx|mkl|widen asks
 // for one (lce_torch.set_bf16_gemm between calls); blas_info says which runs.
 //
 // With bf16_operands, a bfloat16 operator's three GEMMs per chunk read the
@@ -134,10 +134,17 @@ void column_major_gemm(mkl_fortran_gemm_fn<A> fn, mkl_set_threads_local_fn set_t
 }
 
 // Which bf16 GEMM runs: lce's AMX kernel where the CPU has AMX, else MKL's where this torch has
-// it, else widening. LCE_TORCH_BF16_GEMM=amx|mkl|widen at the first use, or
-// lce_torch.set_bf16_gemm() at any time between calls, asks for one; an unavailable choice
-// falls to the default.
+// it and the CPU has bf16 instructions (AVX512-BF16), else widening. Without bf16 instructions
+// MKL's bf16 GEMM emulates them and is the slower of the two: on a 2-core AMD EPYC (Zen 3,
+// AVX2) a bf16 step at N = 1,024 took 1.3-1.4x the widened path's time (README, PyTorch).
+// LCE_TORCH_BF16_GEMM=amx|mkl|widen at the first use, or lce_torch.set_bf16_gemm() at any
+// time between calls, asks for one; an unavailable choice falls to the default.
 enum class bf16_kernel { amx, mkl, widen };
+
+inline bool cpu_has_bf16_instructions() {
+  static const bool has = lce::blas_info().cpu.avx512_bf16;
+  return has;
+}
 
 inline const char* bf16_kernel_name(bf16_kernel kernel) {
   return kernel == bf16_kernel::amx ? "amx" : kernel == bf16_kernel::mkl ? "mkl" : "widen";
@@ -149,7 +156,7 @@ inline bf16_kernel resolve_bf16_kernel(std::string_view choice) {
   const bool amx = lce::detail::amx_bf16_gemm_available(), mkl = torch_mkl::get().bf16_gemm != nullptr;
   if (choice == "mkl" && mkl) return bf16_kernel::mkl;
   if (amx) return bf16_kernel::amx;
-  return mkl ? bf16_kernel::mkl : bf16_kernel::widen;
+  return mkl && (choice == "mkl" || cpu_has_bf16_instructions()) ? bf16_kernel::mkl : bf16_kernel::widen;
 }
 
 inline std::atomic<bf16_kernel>& chosen_bf16_kernel() {
@@ -225,8 +232,10 @@ struct torch_gemm {
       case detail::bf16_kernel::amx:
         return "lce's AMX kernel (lce/host/detail/amx_bf16_gemm.hpp), dz rounded to bf16";
       case detail::bf16_kernel::widen:
-        return mkl.bf16_gemm ? "widened to fp32 for the BLAS (asked for)"
-                             : "widened to fp32 for the BLAS (no MKL bf16 GEMM in this torch)";
+        if (!mkl.bf16_gemm) return "widened to fp32 for the BLAS (no MKL bf16 GEMM in this torch)";
+        return detail::cpu_has_bf16_instructions()
+                   ? "widened to fp32 for the BLAS (asked for)"
+                   : "widened to fp32 for the BLAS (no bf16 instructions on this CPU, where MKL's bf16 GEMM is slower)";
       case detail::bf16_kernel::mkl:
         break;
     }

@@ -41,9 +41,16 @@ def cpu_has_amx():
 MARKS = {"amx": "lce's AMX kernel", "mkl": "cblas_gemm_bf16bf16f32", "widen": "widened to fp32"}
 
 
+def cpu_has_bf16_instructions():
+    return "avx512_bf16" in cpuinfo("flags")
+
+
 def default_kernel():
-    # lce's AMX kernel where the CPU has AMX; else the MKL PyTorch's x86 wheels carry.
-    return "amx" if cpu_has_amx() else "mkl" if HAS_MKL else "widen"
+    # lce's AMX kernel where the CPU has AMX; else the MKL PyTorch's x86 wheels carry, where
+    # the CPU has bf16 instructions (without them MKL emulates them, slower than widening).
+    if cpu_has_amx():
+        return "amx"
+    return "mkl" if HAS_MKL and cpu_has_bf16_instructions() else "widen"
 
 
 def run_bf16_child(path, kernel):
