@@ -1,6 +1,8 @@
 #pragma once
 // The kernels of kernels.hpp, for any Device: a policy with
-//   Device::op<T>(config)  -> the operator of this thread for (T, options, group, device),
+//   Device::op<T>(config)  -> the operator of this thread for (T, options, group, device):
+//                             a reference, or a std::variant of pointers to operators of
+//                             different backends chosen at run time (cpu_device's bfloat16),
 //   Device::guard(tensor)  -> an object that makes the tensor's device current while it lives.
 // Included only by the translation units that instantiate them (ops_full.cpp,
 // ops_half.cpp with cpu_device.hpp; cuda_ops.cu with cuda_device.cuh).
@@ -15,8 +17,21 @@
 #include <optional>
 #include <tuple>
 #include <type_traits>
+#include <variant>
 
 namespace lce_torch {
+
+// What a kernel's prepared call holds of Device::op<T>: a pointer to the one operator, or the
+// variant of pointers; with_op calls f on the operator itself.
+template <class Op>
+Op* hold(Op& op) { return &op; }
+template <class... Ops>
+std::variant<Ops*...> hold(std::variant<Ops*...> op) { return op; }
+
+template <class Op, class F>
+void with_op(Op* op, F&& f) { f(*op); }
+template <class... Ops, class F>
+void with_op(const std::variant<Ops*...>& op, F&& f) { std::visit([&](auto* one) { f(*one); }, op); }
 
 // dL/d(entropy, lse, mean logit) per token, in the result dtype on hidden's
 // device; each undefined when not given.
@@ -46,7 +61,7 @@ std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>()> kern
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, bool with_entropy,
     bool with_mean_logit, const config& c) {
   const auto on_device = Device::guard(hidden);
-  auto* op = &Device::template op<T>(c);
+  const auto op = hold(Device::template op<T>(c));
   const rows_view x = as_rows(hidden, "hidden"), w = as_rows(weight, "weight");
   const at::Tensor y = as_vector(targets);
   const auto out = at::TensorOptions().dtype(c10::CppTypeToScalarType<R>::value).device(hidden.device());
@@ -55,12 +70,14 @@ std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>()> kern
   at::Tensor mean = with_mean_logit ? at::empty(targets.sizes(), out) : at::empty({0}, out);
   return [=]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> {
     const auto on_device = Device::guard(x.tensor);
-    workspace_release<std::remove_pointer_t<decltype(op)>> release{*op};
-    with_targets(y, [&](auto ids) {
-      op->forward(matrix_of<const T>(x), matrix_of<const T>(w), ids,
+    with_op(op, [&](auto& o) {
+      workspace_release<std::remove_reference_t<decltype(o)>> release{o};
+      with_targets(y, [&](auto ids) {
+        o.forward(matrix_of<const T>(x), matrix_of<const T>(w), ids,
                   lce::row_outputs<R>{vector_of<R>(logp), vector_of<R>(lse),
                                       with_entropy ? vector_of<R>(ent) : lce::vector_view<R>{},
                                       with_mean_logit ? vector_of<R>(mean) : lce::vector_view<R>{}});
+      });
     });
     return {logp, lse, ent, mean};
   };
@@ -72,7 +89,7 @@ std::function<std::tuple<at::Tensor, at::Tensor>()> kernels<TorchT, Device>::bac
     const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& lse,
     const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit, const config& c) {
   const auto on_device = Device::guard(hidden);
-  auto* op = &Device::template op<T>(c);
+  const auto op = hold(Device::template op<T>(c));
   const at::Device device = hidden.device();
   const rows_view x = as_rows(hidden, "hidden"), w = as_rows(weight, "weight");
   at::Tensor y = as_vector(targets);
@@ -100,13 +117,15 @@ std::function<std::tuple<at::Tensor, at::Tensor>()> kernels<TorchT, Device>::bac
   const rows_view gx = as_rows(dx, "grad_hidden"), gw = as_rows(dw, "grad_weight");
   return [=]() -> std::tuple<at::Tensor, at::Tensor> {
     const auto on_device = Device::guard(x.tensor);
-    workspace_release<std::remove_pointer_t<decltype(op)>> release{*op};
-    with_targets(y, [&](auto ids) {
-      op->backward(matrix_of<const T>(x), matrix_of<const T>(w), ids, vector_of<const R>(ls),
+    with_op(op, [&](auto& o) {
+      workspace_release<std::remove_reference_t<decltype(o)>> release{o};
+      with_targets(y, [&](auto ids) {
+        o.backward(matrix_of<const T>(x), matrix_of<const T>(w), ids, vector_of<const R>(ls),
                    lce::row_gradients<R>{vector_of<const R>(gl), optional_vector<const R>(terms.entropy),
                                          optional_vector<const R>(terms.lse),
                                          optional_vector<const R>(terms.mean_logit)},
                    matrix_of<T>(gx), matrix_of<T>(gw));
+      });
     });
     return {dx, dw};
   };
@@ -119,7 +138,7 @@ kernels<TorchT, Device>::forward_backward(const at::Tensor& hidden, const at::Te
                                   const std::optional<at::Tensor>& grad_mean_logit, bool with_mean_logit,
                                   const config& c) {
   const auto on_device = Device::guard(hidden);
-  auto* op = &Device::template op<T>(c);
+  const auto op = hold(Device::template op<T>(c));
   const at::Device device = hidden.device();
   const rows_view x = as_rows(hidden, "hidden"), w = as_rows(weight, "weight");
   const at::Tensor y = as_vector(targets);
@@ -135,15 +154,17 @@ kernels<TorchT, Device>::forward_backward(const at::Tensor& hidden, const at::Te
   const rows_view gx = as_rows(dx, "grad_hidden"), gw = as_rows(dw, "grad_weight");
   return [=]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> {
     const auto on_device = Device::guard(x.tensor);
-    workspace_release<std::remove_pointer_t<decltype(op)>> release{*op};
-    with_targets(y, [&](auto ids) {
-      op->forward_backward(
-          matrix_of<const T>(x), matrix_of<const T>(w), ids,
-          lce::row_gradients<R>{vector_of<const R>(gl), {}, optional_vector<const R>(terms.lse),
-                                optional_vector<const R>(terms.mean_logit)},
-          lce::row_outputs<R>{vector_of<R>(logp), vector_of<R>(lse), {},
-                              with_mean_logit ? vector_of<R>(mean) : lce::vector_view<R>{}},
-          matrix_of<T>(gx), matrix_of<T>(gw));
+    with_op(op, [&](auto& o) {
+      workspace_release<std::remove_reference_t<decltype(o)>> release{o};
+      with_targets(y, [&](auto ids) {
+        o.forward_backward(
+            matrix_of<const T>(x), matrix_of<const T>(w), ids,
+            lce::row_gradients<R>{vector_of<const R>(gl), {}, optional_vector<const R>(terms.lse),
+                                  optional_vector<const R>(terms.mean_logit)},
+            lce::row_outputs<R>{vector_of<R>(logp), vector_of<R>(lse), {},
+                                with_mean_logit ? vector_of<R>(mean) : lce::vector_view<R>{}},
+            matrix_of<T>(gx), matrix_of<T>(gw));
+      });
     });
     return {logp, dx, dw, lse, mean};
   };
@@ -155,7 +176,7 @@ std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>()> kern
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& ids, bool with_entropy,
     bool with_mean_logit, const config& c) {
   const auto on_device = Device::guard(hidden);
-  auto* op = &Device::template op<T>(c);
+  const auto op = hold(Device::template op<T>(c));
   const rows_view x = as_rows(hidden, "hidden"), w = as_rows(weight, "weight");
   const sets_view y = as_sets(ids);
   const auto rows_shape = ids.sizes().slice(0, ids.dim() - 1);
@@ -165,12 +186,14 @@ std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>()> kern
   at::Tensor mean = with_mean_logit ? at::empty(rows_shape, out) : at::empty({0}, out);
   return [=]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> {
     const auto on_device = Device::guard(x.tensor);
-    workspace_release<std::remove_pointer_t<decltype(op)>> release{*op};
-    with_sets(y.tensor, [&](auto sets) {
-      op->forward(matrix_of<const T>(x), matrix_of<const T>(w), sets,
+    with_op(op, [&](auto& o) {
+      workspace_release<std::remove_reference_t<decltype(o)>> release{o};
+      with_sets(y.tensor, [&](auto sets) {
+        o.forward(matrix_of<const T>(x), matrix_of<const T>(w), sets,
                   lce::target_set_outputs<R>{dense_of<R>(logp.view({y.rows, y.k})), vector_of<R>(lse),
                                              with_entropy ? vector_of<R>(ent) : lce::vector_view<R>{},
                                              with_mean_logit ? vector_of<R>(mean) : lce::vector_view<R>{}});
+      });
     });
     return {logp, lse, ent, mean};
   };
@@ -182,7 +205,7 @@ std::function<std::tuple<at::Tensor, at::Tensor>()> kernels<TorchT, Device>::set
     const at::Tensor& weight, const at::Tensor& ids, const at::Tensor& lse,
     const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit, const config& c) {
   const auto on_device = Device::guard(hidden);
-  auto* op = &Device::template op<T>(c);
+  const auto op = hold(Device::template op<T>(c));
   const at::Device device = hidden.device();
   const rows_view x = as_rows(hidden, "hidden"), w = as_rows(weight, "weight");
   sets_view y = as_sets(ids);
@@ -212,13 +235,15 @@ std::function<std::tuple<at::Tensor, at::Tensor>()> kernels<TorchT, Device>::set
   const rows_view gx = as_rows(dx, "grad_hidden"), gw = as_rows(dw, "grad_weight");
   return [=]() -> std::tuple<at::Tensor, at::Tensor> {
     const auto on_device = Device::guard(x.tensor);
-    workspace_release<std::remove_pointer_t<decltype(op)>> release{*op};
-    with_sets(y.tensor, [&](auto sets) {
-      op->backward(matrix_of<const T>(x), matrix_of<const T>(w), sets, vector_of<const R>(ls),
+    with_op(op, [&](auto& o) {
+      workspace_release<std::remove_reference_t<decltype(o)>> release{o};
+      with_sets(y.tensor, [&](auto sets) {
+        o.backward(matrix_of<const T>(x), matrix_of<const T>(w), sets, vector_of<const R>(ls),
                    lce::target_set_gradients<R>{dense_of<const R>(gl), optional_vector<const R>(terms.entropy),
                                                 optional_vector<const R>(terms.lse),
                                                 optional_vector<const R>(terms.mean_logit)},
                    matrix_of<T>(gx), matrix_of<T>(gw));
+      });
     });
     return {dx, dw};
   };

@@ -231,11 +231,12 @@ struct torch_gemm {
     switch (detail::choose_bf16_kernel()) {
       case detail::bf16_kernel::amx:
         return "lce's AMX kernel (lce/host/detail/amx_bf16_gemm.hpp), dz rounded to bf16";
-      case detail::bf16_kernel::widen:
-        if (!mkl.bf16_gemm) return "widened to fp32 for the BLAS (no MKL bf16 GEMM in this torch)";
-        return detail::cpu_has_bf16_instructions()
-                   ? "widened to fp32 for the BLAS (asked for)"
-                   : "widened to fp32 for the BLAS (no bf16 instructions on this CPU, where MKL's bf16 GEMM is slower)";
+      case detail::bf16_kernel::widen: {
+        const char* why = !mkl.bf16_gemm                           ? "no MKL bf16 GEMM in this torch"
+                          : !detail::cpu_has_bf16_instructions() ? "no bf16 instructions on this CPU, where MKL's bf16 GEMM is slower"
+                                                                   : "asked for";
+        return std::string("weight widened to fp32 for the BLAS, dz in fp32 (") + why + ")";
+      }
       case detail::bf16_kernel::mkl:
         break;
     }
@@ -259,6 +260,25 @@ inline std::string set_bf16_gemm(std::string_view kernel) {
   return detail::bf16_kernel_name(chosen);
 }
 
+// The provider of bfloat16 operators while the widening bf16 GEMM is chosen (a CPU without bf16
+// instructions, or set_bf16_gemm("widen")): the fp32/fp64 GEMMs alone. Without a bf16 GEMM,
+// lce's host backend widens each weight tile once per chunk into its slots and keeps dz in fp32,
+// where widening inside each bf16 x bf16 GEMM would widen both operands of every call and round
+// dz to bf16 first: faster and as accurate as sgemm.
+struct torch_widening_gemm {
+  using call_scope = torch_gemm::call_scope;
+
+  template <class A>
+    requires std::same_as<A, float> || std::same_as<A, double>
+  void gemm(lce::transpose ta, lce::transpose tb, std::int64_t m, std::int64_t n, std::int64_t k, A alpha,
+            const A* a, std::int64_t lda, const A* b, std::int64_t ldb, A beta, A* c, std::int64_t ldc) const {
+    torch_gemm{}.gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  }
+};
+
+inline bool bf16_gemm_widens() { return detail::choose_bf16_kernel() == detail::bf16_kernel::widen; }
+
 static_assert(lce::gemm_provider<torch_gemm> && lce::gemm_reads_bf16_operands<torch_gemm>);
+static_assert(lce::gemm_provider<torch_widening_gemm> && !lce::bf16_gemm_provider<torch_widening_gemm>);
 
 }  // namespace lce_torch

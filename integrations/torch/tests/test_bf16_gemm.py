@@ -94,6 +94,17 @@ def test_bf16_gemm_paths_match_the_float64_reference(tmp_path, kernel):
     assert relative_error(got["dw"], rdw) < 5e-3
 
 
+def test_widened_path_keeps_dz_in_fp32(tmp_path):
+    """Widening (the default without bf16 instructions) runs the host backend's own fp32 path:
+    the weight widened, dz kept in fp32, so the gradients are the float64 reference's rounded
+    to bf16 but for rounding ties (dz rounded to bf16 first is 1e-3 off, rms)."""
+    got = run_bf16_child(str(tmp_path / "out.pt"), "widen")
+    assert MARKS["widen"] in got["info"] and "dz in fp32" in got["info"], got["info"]
+    _, _, rdh, rdw = reference_gradients()
+    assert relative_error(got["dh"], rdh.bfloat16().double()) < 3e-4
+    assert relative_error(got["dw"], rdw.bfloat16().double()) < 3e-4
+
+
 @pytest.mark.parametrize("kernel", ["amx", "mkl"])
 def test_bf16_kernel_and_widened_paths_agree(tmp_path, kernel):
     skip_unless_available(kernel)
