@@ -14,6 +14,10 @@ ORDER = ["plain", "torch_chunked", "lce", "lce_2sweep"]
 TITLES = {"lce_2sweep": "lce 2-sweep"}  # the others titled by their names
 
 
+def ratio_text(x):
+    return f"{x:.2f}" if x >= 0.1 else f"{x:.2g}"  # two significant digits below 0.1
+
+
 def table(results):
     rows = {}
     for r in results:
@@ -38,9 +42,9 @@ def table(results):
         lce, plain = cells.get("lce"), cells.get("plain")
         ratio = memory = ""
         if lce and plain:
-            ratio = f"{lce['wall_s'] / plain['wall_s']:.2f}"
+            ratio = ratio_text(lce['wall_s'] / plain['wall_s'])
             if "median_wall_s" in lce and "median_wall_s" in plain:
-                ratio += f"; {lce['median_wall_s'] / plain['median_wall_s']:.2f}"
+                ratio += "; " + ratio_text(lce['median_wall_s'] / plain['median_wall_s'])
             if plain["peak_extra_bytes"] is not None and lce["peak_extra_bytes"] is not None:
                 memory = f"{plain['peak_extra_bytes'] / max(lce['peak_extra_bytes'], 1):.1f}x"
         lines.append(f"| {dtype} | {v:,} | {n:,} | {threads} | " + " | ".join(shown) + f" | {ratio} | {memory} |")

@@ -240,11 +240,16 @@ int main(int argc, char** argv) {
 
   const double element = bf16 ? 2.0 : 4.0;  // X and W as stored; dX and dW in fp32
   const double io_bytes = element * double(N * H + V * H) + 4.0 * double(N * H + V * H + 2 * N) + 8.0 * double(N);
-  // dW of a bf16 weight runs on the split bf16 GEMM where the chosen kernel has one (AMX), else on sgemm.
-  const char* gemms = dtype == "float"      ? "sgemm"
-                      : dtype != "bfloat16" ? "bf16 GEMMs, dz rounded to bf16"
-                      : lce::cblas_gemm{}.split_bf16_gemm_available() ? "bf16 GEMMs, dz as hi + lo"
-                                                                      : "bf16 GEMMs, dz as hi + lo, dW sgemm";
+  // dW of a bf16 weight runs on the split bf16 GEMM where the chosen kernel has one (AMX), else on sgemm;
+  // without a bf16 GEMM (no bf16 instructions) the weight is widened to fp32 for sgemm throughout.
+  const lce::cblas_gemm provider;
+  const char* gemms = dtype == "float" ? "sgemm"
+                      : dtype != "bfloat16"
+                          ? (provider.bf16_gemm_available() ? "bf16 GEMMs, dz rounded to bf16"
+                                                            : "bf16 operands widened in each GEMM, dz rounded to bf16")
+                      : !provider.bf16_gemm_available()        ? "weight widened to fp32, sgemm, dz in fp32"
+                      : provider.split_bf16_gemm_available() ? "bf16 GEMMs, dz as hi + lo"
+                                                               : "bf16 GEMMs, dz as hi + lo, dW sgemm";
   std::printf("lce demo: N = %lld tokens, H = %lld, V = %lld, %s, %d threads, %s%s\n", (long long)N, (long long)H,
               (long long)V, dtype.c_str(), threads, gemms,
               reps > 1 ? (", best of " + std::to_string(reps) + " runs").c_str() : "");

@@ -18,10 +18,11 @@
 // bf16 x bf16 -> fp32 GEMM of the MKL that PyTorch's x86 wheels carry inside
 // libtorch_cpu (cblas_gemm_bf16bf16f32, fp32 accumulation), looked up at run
 // time in the libtorch_cpu this process loaded, so a torch without it
-// (aarch64, a build without MKL) still loads. Without bf16 instructions (or
-// without that MKL), each bf16 GEMM widens its operands to fp32 for the BLAS
-// (lce::detail::widening_bf16_gemm): MKL's emulation was the slower of the two. LCE_TORCH_BF16_GEMM=amx|mkl|widen asks
-// for one (lce_torch.set_bf16_gemm between calls); blas_info says which runs.
+// (aarch64, a build without MKL) still loads. Without bf16 instructions (MKL's
+// emulation of them was the slower) or without that MKL, a bfloat16 call runs
+// on torch_widening_gemm below instead: the host backend's own fp32 path.
+// LCE_TORCH_BF16_GEMM=amx|mkl|widen asks for one (lce_torch.set_bf16_gemm
+// between calls); blas_info says which runs.
 //
 // With bf16_operands, a bfloat16 operator's three GEMMs per chunk read the
 // hidden rows as stored and dz rounded once to bf16 (unit roundoff 2^-8),
@@ -135,8 +136,9 @@ void column_major_gemm(mkl_fortran_gemm_fn<A> fn, mkl_set_threads_local_fn set_t
 
 // Which bf16 GEMM runs: lce's AMX kernel where the CPU has AMX, else MKL's where this torch has
 // it and the CPU has bf16 instructions (AVX512-BF16), else widening. Without bf16 instructions
-// MKL's bf16 GEMM emulates them and is the slower of the two: on a 2-core AMD EPYC (Zen 3,
-// AVX2) a bf16 step at N = 1,024 took 1.3-1.4x the widened path's time (README, PyTorch).
+// MKL's bf16 GEMM emulates them and is the slower: on a 2-core AMD EPYC (Zen 3, AVX2) a bf16
+// step at N = 1,024 took 1.05-1.27x the time of the widened path (torch_widening_gemm) with it
+// (README, "On an AMD EPYC").
 // LCE_TORCH_BF16_GEMM=amx|mkl|widen at the first use, or lce_torch.set_bf16_gemm() at any
 // time between calls, asks for one; an unavailable choice falls to the default.
 enum class bf16_kernel { amx, mkl, widen };
@@ -203,7 +205,7 @@ struct torch_gemm {
     if (kernel == detail::bf16_kernel::amx)
       return lce::detail::amx_bf16_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     const auto& mkl = detail::torch_mkl::get();
-    if (kernel == detail::bf16_kernel::widen) {
+    if (kernel == detail::bf16_kernel::widen) {  // set_bf16_gemm("widen") from another thread mid-call
       lce::detail::widening_bf16_gemm(
           [this](auto... args) { gemm(args...); }, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
       return;
@@ -232,9 +234,10 @@ struct torch_gemm {
       case detail::bf16_kernel::amx:
         return "lce's AMX kernel (lce/host/detail/amx_bf16_gemm.hpp), dz rounded to bf16";
       case detail::bf16_kernel::widen: {
-        const char* why = !mkl.bf16_gemm                           ? "no MKL bf16 GEMM in this torch"
-                          : !detail::cpu_has_bf16_instructions() ? "no bf16 instructions on this CPU, where MKL's bf16 GEMM is slower"
-                                                                   : "asked for";
+        const char* why = !mkl.bf16_gemm ? "no MKL bf16 GEMM in this torch"
+                          : !detail::cpu_has_bf16_instructions()
+                              ? "no bf16 instructions on this CPU, where MKL's bf16 GEMM is slower"
+                              : "asked for";
         return std::string("weight widened to fp32 for the BLAS, dz in fp32 (") + why + ")";
       }
       case detail::bf16_kernel::mkl:

@@ -296,8 +296,8 @@ def set_bf16_gemm(kernel):
     """Choose the bf16 x bf16 -> fp32 GEMM of bfloat16 operators on the CPU, between calls:
     "amx" (lce's own AMX kernel, the default on CPUs with AMX), "mkl" (MKL's
     cblas_gemm_bf16bf16f32 from libtorch_cpu, the default on other CPUs with AVX512-BF16
-    where this torch has it), "widen" (bf16 widened to fp32 for the BLAS, the default on
-    CPUs without bf16 instructions, where MKL's emulation is slower) or "auto" (the default). Returns the
+    where this torch has it), "widen" (the weight widened to fp32 for the BLAS, dz kept in
+    fp32: the default on CPUs without bf16 instructions, where MKL's emulation is slower) or "auto" (the default). Returns the
     one that now runs: a choice this machine cannot run falls to the default. Other names
     raise ValueError. LCE_TORCH_BF16_GEMM sets the first choice."""
     return torch.ops.lce.set_bf16_gemm(kernel)

@@ -1,9 +1,10 @@
 """bfloat16 GEMMs of lce_torch (csrc/torch_gemm.hpp): lce's AMX kernel on a CPU with AMX
 (the default there), MKL's bf16 x bf16 -> fp32 GEMM from the libtorch_cpu this process
-loaded, or bf16 widened to fp32 for OpenBLAS (LCE_TORCH_BF16_GEMM=amx|mkl|widen asks
-for one). Each gives the
-float64 reference's gradients to within dz's rounding to bf16, and the widened path's
-to within the outputs' bf16 rounding."""
+loaded (the default on other CPUs with AVX512-BF16), or the weight widened to fp32 for
+OpenBLAS with dz in fp32 (the default without bf16 instructions; LCE_TORCH_BF16_GEMM=
+amx|mkl|widen asks for one). Each gives the float64 reference's gradients to within dz's
+rounding to bf16, and the widened path's to within the outputs' bf16 rounding."""
+
 import os
 
 import pytest
