@@ -144,7 +144,7 @@ void column_major_gemm(mkl_fortran_gemm_fn<A> fn, mkl_set_threads_local_fn set_t
 enum class bf16_kernel { amx, mkl, widen };
 
 inline bool cpu_has_bf16_instructions() {
-  static const bool has = lce::blas_info().cpu.avx512_bf16;
+  static const bool has = lce::blas_detail::detect_cpu().avx512_bf16;  // the CPU probe alone, no BLAS lookup
   return has;
 }
 
