@@ -14,6 +14,7 @@
 #include <iterator>
 #include <sstream>
 #include <string>
+#include <string_view>
 #include <vector>
 
 extern char** environ;
@@ -142,6 +143,12 @@ TEST_CASE("blas_info: this process's BLAS and CPU") {
   CHECK(r.cpu.avx512f == bool(__builtin_cpu_supports("avx512f")));
   CHECK(r.cpu.fma == bool(__builtin_cpu_supports("fma")));
   CHECK(r.cpu.simd_tier() >= 0);
+  // bf16 GEMMs run natively only on bf16 instructions, and never when LCE_BF16_GEMM=widen
+  // asks to widen; the description says the same.
+  if (!r.cpu.avx512_bf16 && !(r.cpu.amx_tile && r.cpu.amx_bf16)) CHECK_FALSE(r.bf16_gemm_native);
+  if (const char* asked = std::getenv("LCE_BF16_GEMM"); asked && std::string_view(asked) == "widen")
+    CHECK_FALSE(r.bf16_gemm_native);
+  CHECK(r.bf16_gemm_native == (r.bf16_gemm.rfind("widened", 0) != 0));
 #endif
 }
 

@@ -63,6 +63,34 @@ LCE_HOST_DEVICE LCE_ALWAYS_INLINE float fast_exp(float x) { return fast_exp_fp32
 
 LCE_HOST_DEVICE LCE_ALWAYS_INLINE double fast_exp(double x) { return std::exp(x); }
 
+// A logit of -inf (a bias masking its column: padded vocabulary slots, a
+// restricted output set) has p = 0 and must add nothing. Two guards keep it
+// from turning into 0 * inf = NaN:
+//  - exp_centre: the centre of a block's exps is its max, or 0 when every
+//    logit is -inf (the exps are then all 0, and merge() skips the partial);
+//  - above_exp_floor: x raised to a finite value wherever exp(x) is 0
+//    anyway (fast_exp_fp32 is 0 below -87; std::exp below about -745), so
+//    that exp(x) * x and p * (c - x) are exactly what they were for finite
+//    x, and 0 for x = -inf.
+template <class A>
+inline constexpr A exp_floor = std::is_same_v<A, float> ? A(-88) : A(-1000);
+
+template <class A, class P>
+LCE_HOST_DEVICE LCE_ALWAYS_INLINE P above_exp_floor(P x) {
+  const P floor = P{} + exp_floor<A>;
+  return x < floor ? floor : x;
+}
+
+// The most negative finite value: a constant device code can use too (nvcc
+// does not take numeric_limits' functions there).
+template <class A>
+inline constexpr A lowest_finite = std::numeric_limits<A>::lowest();
+
+template <class A>
+LCE_HOST_DEVICE LCE_ALWAYS_INLINE A exp_centre(A max) {
+  return max < lowest_finite<A> ? A(0) : max;  // -inf only: a NaN stays
+}
+
 // tanh from the same exp, so soft-capping vectorises as well. Absolute error
 // about 1e-7, which is the rounding of the fp32 logit it is applied to.
 template <class F>
@@ -195,7 +223,7 @@ LCE_HOST_DEVICE inline row_result<A> finalize(const row_partial<A>& row, bool ig
 // cancel away most of fp32's digits.
 template <class P, class A>
 LCE_HOST_DEVICE LCE_ALWAYS_INLINE P logit_gradient(P p, P centred, A grad_logprob, A grad_entropy, A mean_centred) {
-  return p * ((mean_centred - centred) * grad_entropy - grad_logprob);
+  return p * ((mean_centred - above_exp_floor<A>(centred)) * grad_entropy - grad_logprob);
 }
 
 // The row terms of a loss beyond log p(y) and the entropy, folded into the

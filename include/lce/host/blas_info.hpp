@@ -97,6 +97,11 @@ struct blas_report {
   // 2.6.3, brg:avx512_core_amx_bf16" (bf16 instructions, fp32 accumulation), or
   // "widened to fp32 for the BLAS" (without oneDNN, or on a CPU without bf16 GEMMs).
   std::string bf16_gemm;
+  // Whether those GEMMs run on the CPU's bf16 instructions (AMX, or oneDNN on
+  // AVX512-BF16) rather than widened to fp32. Only then does
+  // lce::host_bf16_operands buy speed: elsewhere it widens inside each GEMM and
+  // rounds dz to bf16 for nothing, so choose lce::host (see the README).
+  bool bf16_gemm_native = false;
 
   // One line for logs: library, version, kernels, how they were chosen, CPU, and a
   // warning with the fix when the kernels are slow.
@@ -303,6 +308,7 @@ inline blas_report blas_info() {
 #endif
   blas_detail::recommend(r);
   r.bf16_gemm = detail::bf16_gemm_description(detail::chosen_bf16_gemm_kernel());
+  r.bf16_gemm_native = detail::chosen_bf16_gemm_kernel() != detail::bf16_gemm_kernel::widen;
   return r;
 }
 

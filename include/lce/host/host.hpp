@@ -380,7 +380,7 @@ class basic_host {
       const std::int64_t n = args.logits.cols;
       if (args.soft_cap.enabled()) detail::soft_cap_row(row, n, args.soft_cap);
       detail::row_partial<A> partial;
-      partial.max = detail::row_max(row, n);
+      partial.max = detail::exp_centre(detail::row_max(row, n));  // a row of -inf: centred on 0, adds 0
       const std::int64_t target = detail::local_target(args.targets[r], args.vocab_start, args.ignore_index, n);
       if (target >= 0) partial.target_logit = row[target];
       if (args.with_logit_sum) partial.sum_logit = detail::reduce_row(row, n, A(0), [](auto v) { return v; }, detail::plus);

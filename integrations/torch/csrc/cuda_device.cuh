@@ -42,9 +42,11 @@ struct cuda_device {
     const at::Device device(at::kCUDA, current.device_index());
     cuda_process_group_comm comm =
         c.group_name ? cuda_process_group_comm(*c.group_name, device) : cuda_process_group_comm(device);
-    // Never destroyed: at exit the CUDA runtime may be gone before this
-    // thread's objects are, and an operator's destructor calls into it
-    // (cuBLAS handle, stream-ordered frees). PyTorch keeps its own handles so.
+    // The table is never destroyed: at exit the CUDA runtime may be gone
+    // before this thread's objects are, and an operator's destructor calls
+    // into it (cuBLAS handle, stream-ordered frees). PyTorch keeps its own
+    // handles so. While the program runs, the table evicts its oldest
+    // operator past 8 (operator_table in tensor_views.hpp).
     using key = std::tuple<const void*, int, cudaStream_t>;
     thread_local auto* table = new operator_table<op_t<T>, key>();
     return table->get(o, key{comm.identity(), current.device_index(), stream}, [&] {

@@ -34,6 +34,8 @@ using cuda_launch::block_threads;
 using cuda_launch::items_per_thread;
 
 // Adds one logit to a running partial, rescaling it when the maximum moves.
+// A logit of -inf adds nothing (see exp_centre in core/row_math.hpp); a NaN
+// still poisons the sums.
 template <class A, bool WithEntropy>
 __device__ __forceinline__ void accumulate(row_partial<A>& p, A z) {
   if (z > p.max) {
@@ -47,7 +49,7 @@ __device__ __forceinline__ void accumulate(row_partial<A>& p, A z) {
       p.sum_exp_offset = A(0);
     }
     p.max = z;
-  } else {
+  } else if (!(z < lowest_finite<A>)) {
     const A shifted = z - p.max;
     const A e = fast_exp(shifted);
     p.sum_exp += e;
@@ -90,8 +92,10 @@ LCE_KERNEL void row_statistics_kernel(statistics_args<A, I> args) {
   }
   const row_partial<A> total = reduce_partials(temp.partials).Reduce(mine, merge_partials_op<A>{});
   if (threadIdx.x == 0) {
-    args.partials[r] = total;
-    row_max = total.max;
+    row_partial<A> centred = total;
+    centred.max = exp_centre(total.max);  // a row of -inf: centred on 0, adds 0
+    args.partials[r] = centred;
+    row_max = centred.max;
   }
   if (!args.keep_exp) return;
 
@@ -150,7 +154,7 @@ LCE_KERNEL void mean_centred_logits_kernel(mean_centred_logit_args<A, I> args) {
   A sum = 0;
   for (std::int64_t j = threadIdx.x; j < args.logits.cols; j += block_threads) {
     const A centred = row[j] - lse;
-    sum += fast_exp(centred) * centred;
+    sum += fast_exp(centred) * above_exp_floor<A>(centred);
   }
   const A total = reduce_sums(temp).Sum(sum);
   if (threadIdx.x == 0) args.out[r] = total;

@@ -65,7 +65,7 @@ void sum_exp_row(const A* z, std::int64_t n, A max, A& sum_exp, A& sum_exp_offse
                                      z, n, A(0),
                                      [=](auto v) {
                                        const auto shifted = v - max;
-                                       return fast_exp(shifted) * shifted;
+                                       return fast_exp(shifted) * above_exp_floor<A>(shifted);
                                      },
                                      plus)
                                : A(0);
@@ -86,7 +86,7 @@ A mean_centred_logit_row(const A* z, std::int64_t n, A lse) {
       z, n, A(0),
       [=](auto v) {
         const auto centred = v - lse;
-        return fast_exp(centred) * centred;
+        return fast_exp(centred) * above_exp_floor<A>(centred);
       },
       plus);
 }
