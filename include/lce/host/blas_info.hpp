@@ -308,7 +308,7 @@ inline blas_report blas_info() {
 #endif
   blas_detail::recommend(r);
   r.bf16_gemm = detail::bf16_gemm_description(detail::chosen_bf16_gemm_kernel());
-  r.bf16_gemm_native = detail::chosen_bf16_gemm_kernel() != detail::bf16_gemm_kernel::widen;
+  r.bf16_gemm_native = detail::bf16_gemm_runs_natively();
   return r;
 }
 

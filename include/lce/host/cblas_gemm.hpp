@@ -36,7 +36,7 @@ struct cblas_gemm {
     detail::gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
 
-  bool bf16_gemm_available() const { return detail::chosen_bf16_gemm_kernel() != detail::bf16_gemm_kernel::widen; }
+  bool bf16_gemm_available() const { return detail::bf16_gemm_runs_natively(); }
 
   void bf16_gemm(transpose ta, transpose tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
                  const bfloat16* a, std::int64_t lda, const bfloat16* b, std::int64_t ldb, float beta, float* c,

@@ -90,12 +90,11 @@ LCE_KERNEL void row_statistics_kernel(statistics_args<A, I> args) {
     mine.sum_logit += z;  // kept always: one add per logit in a pass bound by memory
     accumulate<A, WithEntropy>(mine, z);
   }
-  const row_partial<A> total = reduce_partials(temp.partials).Reduce(mine, merge_partials_op<A>{});
+  row_partial<A> total = reduce_partials(temp.partials).Reduce(mine, merge_partials_op<A>{});
   if (threadIdx.x == 0) {
-    row_partial<A> centred = total;
-    centred.max = exp_centre(total.max);  // a row of -inf: centred on 0, adds 0
-    args.partials[r] = centred;
-    row_max = centred.max;
+    total.max = exp_centre(total.max);  // a row of -inf: centred on 0, adds 0
+    args.partials[r] = total;
+    row_max = total.max;
   }
   if (!args.keep_exp) return;
 

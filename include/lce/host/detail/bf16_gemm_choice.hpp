@@ -58,6 +58,10 @@ inline bf16_gemm_kernel chosen_bf16_gemm_kernel() {
   return chosen;
 }
 
+// Whether the chosen kernel runs on the CPU's bf16 instructions (not widened):
+// cblas_gemm::bf16_gemm_available() and blas_report::bf16_gemm_native.
+inline bool bf16_gemm_runs_natively() { return chosen_bf16_gemm_kernel() != bf16_gemm_kernel::widen; }
+
 // Row-major C[m, n] = alpha op(A) op(B) + beta C on `kernel` (not widen).
 inline void run_bf16_gemm(bf16_gemm_kernel kernel, transpose ta, transpose tb, std::int64_t m, std::int64_t n,
                           std::int64_t k, float alpha, const bfloat16* a, std::int64_t lda, const bfloat16* b,
