@@ -193,6 +193,23 @@ mirrored_set_gradients<E> mirror(const lce::target_set_gradients<E>& g, const ch
           mirror(g.mean_logit, "grad_mean_logit")};
 }
 
+// A head with its bias (lce::with_bias): the weight, or grad_weight, and its bias mirrored.
+template <class WE, class BE>
+struct mirrored_head {
+  mirrored_matrix<WE> weight;
+  mirrored_vector<BE> bias;
+  auto view() const { return lce::with_bias{weight.view(), bias.view()}; }
+  void finish() {
+    weight.finish();
+    bias.finish();
+  }
+};
+template <class WE, class BE>
+mirrored_head<WE, BE> mirror(const lce::with_bias<lce::matrix_view<WE>, lce::vector_view<BE>>& head, const char* what) {
+  const bool gradient = std::string(what) == "grad_weight";
+  return {mirror(head.weight, what), mirror(head.bias, gradient ? "grad_bias" : "bias")};
+}
+
 // The device operator behind the host operator's interface (see above).
 template <class T, class Chunk = lce::budget_chunk>
 class device_op {

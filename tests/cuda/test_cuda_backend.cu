@@ -14,6 +14,7 @@
 #include "cuda/device_env.cuh"
 
 #include "cases/backward_cases.hpp"
+#include "cases/bias_cases.hpp"
 #include "cases/edge_cases.hpp"
 #include "cases/error_cases.hpp"
 #include "cases/forward_cases.hpp"
@@ -81,6 +82,16 @@ TEST_CASE_TEMPLATE("cuda: target sets: backward and forward_backward match the m
 TEST_CASE_TEMPLATE("cuda: vocabulary order: forward, backward with entropy and forward_backward equal the reference",
                    T, lce::bfloat16, lce::float16) {
   cases::vocabulary_order::matches_reference<cuda_env, T>();
+}
+
+TEST_CASE_TEMPLATE("cuda: with_bias: forward, backward and forward_backward equal the head with the bias as a column",
+                   T, LCE_CUDA_TYPES) {
+  cases::bias::matches_bias_as_a_column<cuda_env, T>();
+}
+
+TEST_CASE_TEMPLATE("cuda: with_bias: a bias of -inf masks its columns: the head without them, entropy included", T,
+                   LCE_CUDA_TYPES) {
+  cases::bias::masks_columns<cuda_env, T>();
 }
 
 TEST_CASE_TEMPLATE("cuda: errors: the fixture itself is valid", T, LCE_CUDA_TYPES) {

@@ -241,6 +241,47 @@ void check_options_disagree(const Comm& comm) {
     CHECK_MESSAGE(names_both_calls,
                   "rank " << rank << ": entropy on one rank only: got \"" << message << "\"");
   }
+  {  // A bias on the odd rank only (forward), then a grad_bias on it only
+     // (backward): a head with and without a bias is the caller's mistake.
+    lce::options o = base;
+    o.vocab_start = v0;
+    lce::ChunkedHiddenToLogprobs<Comm, float> op(comm, o, lce::host{1});
+    const auto X = lce::matrix_view<const float>{x.data(), n, h};
+    const auto W = lce::matrix_view<const float>{w.data(), vr, h};
+    const auto Y = lce::vector_view<const std::int64_t>{p.y.data(), n};
+    const std::vector<float> bias(static_cast<std::size_t>(vr), 0.5f);
+    const lce::vector_view<const float> B = rank == odd ? lce::vector_view<const float>{bias.data(), vr}
+                                                        : lce::vector_view<const float>{};
+    constexpr float untouched = 4321.0f;
+    std::vector<float> lp(n, untouched), lse(n, untouched);
+    const std::string message = error_of([&] {
+      op.forward(X, lce::with_bias{W, B}, Y, lce::vector_view<float>{lp.data(), n},
+                 lce::vector_view<float>{lse.data(), n});
+    });
+    const bool names_both_calls = contains(message, "the call differs across ranks") &&
+                                  contains(message, "forward(logprobs, lse)") &&
+                                  contains(message, "forward(logprobs, lse, bias)");
+    CHECK_MESSAGE(names_both_calls, "rank " << rank << ": a bias on one rank only: got \"" << message << "\"");
+    CHECK_MESSAGE((all_equal(lp, untouched) && all_equal(lse, untouched)),
+                  "rank " << rank << ", a bias on one rank only: outputs were written");
+
+    op.forward(X, W, Y, lce::vector_view<float>{lp.data(), n}, lce::vector_view<float>{lse.data(), n});
+    const std::vector<float> g(static_cast<std::size_t>(n), 0.5f);
+    std::vector<float> gh(static_cast<std::size_t>(n * h), untouched), gw(static_cast<std::size_t>(vr * h), 0.0f),
+        gb(static_cast<std::size_t>(vr), untouched);
+    const lce::vector_view<float> GB = rank == odd ? lce::vector_view<float>{gb.data(), vr} : lce::vector_view<float>{};
+    const std::string backward_message = error_of([&] {
+      op.backward(X, W, Y, lce::vector_view<const float>{lse.data(), n}, lce::vector_view<const float>{g.data(), n},
+                  lce::matrix_view<float>{gh.data(), n, h}, lce::with_bias{lce::matrix_view<float>{gw.data(), vr, h}, GB});
+    });
+    const bool names_both_backwards = contains(backward_message, "the call differs across ranks") &&
+                                      contains(backward_message, "backward(lse, grad_logprobs)") &&
+                                      contains(backward_message, "backward(lse, grad_logprobs, grad_bias)");
+    CHECK_MESSAGE(names_both_backwards,
+                  "rank " << rank << ": a grad_bias on one rank only: got \"" << backward_message << "\"");
+    CHECK_MESSAGE((all_equal(gh, untouched) && all_equal(gw, 0.0f) && all_equal(gb, untouched)),
+                  "rank " << rank << ", a grad_bias on one rank only: gradients were written");
+  }
 }
 
 // Ranks that differ in workspace budget, chunk_tokens and host threads (with a

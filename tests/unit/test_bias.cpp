@@ -1,6 +1,6 @@
-// An LM head with a bias (lce::with_bias): s = x . w + b. The reference is the
-// materialised one of a problem with one more hidden column: x' = [x, 1] and
-// w' = [w, b] give the same logits, and dW' holds dW and, in its last column, db.
+// An LM head with a bias (lce::with_bias): s = x . w + b. The bodies shared with
+// the CUDA suite are in cases/bias_cases.hpp; here, what only the host checks.
+#include "cases/bias_cases.hpp"
 #include "cases/vocabulary_order_cases.hpp"
 #include "support/harness.hpp"
 
@@ -11,78 +11,7 @@ using namespace lce_test;
 
 TEST_CASE_TEMPLATE("with_bias: forward, backward and forward_backward equal the head with the bias as a column", T,
                    float, double, lce::bfloat16) {
-  using O = out_t<T>;
-  const std::int64_t n = 13, h = 16, v = 77;
-  for (const auto& s : scalings) {
-    CAPTURE(s.tau);
-    CAPTURE(s.cap);
-    problem p = make_problem(n, h + 1, v, 51, rounder_for<T>(), 1.5, 0.5);
-    p.tau = s.tau;
-    p.cap = s.cap;
-    for (std::int64_t i = 0; i < n; ++i) p.x[static_cast<std::size_t>(i * (h + 1) + h)] = 1.0;
-    const forward_result ref = reference_forward(p);
-    const std::vector<double> g = random_vector(n, 52, -1, 1);
-    const gradients want = reference_backward(p, ref, g, {});
-
-    const auto X = make_matrix<T>(p.x, n, h + 1);
-    const auto W = make_matrix<T>(p.w, v, h + 1);
-    const lce::matrix_view<const T> hidden{X.ptr(), n, h, h + 1}, weight{W.ptr(), v, h, h + 1};
-    std::vector<T> bias(static_cast<std::size_t>(v));
-    for (std::int64_t j = 0; j < v; ++j) bias[static_cast<std::size_t>(j)] = W.at(j, h);
-    const lce::vector_view<const T> b{bias.data(), v};
-    const auto Y = make_targets<std::int64_t>(p.y);
-    auto op = make_op<T>(make_options(s.tau, s.cap, s.chunk));
-
-    vector_buf<O> lp(n), lse(n);
-    op.forward(hidden, lce::with_bias{weight, b}, Y.cview(), lp.view(), lse.view());
-    const double tol = base_tol<T>() * 10;
-    LCE_CHECK_CMP(compare(
-        "logprobs", n, [&](std::int64_t i) { return lp.get(i); }, [&](std::int64_t i) { return double(ref.logp[i]); },
-        [&](std::int64_t, double w) { return tol * (1 + std::fabs(w)); }));
-
-    // The gradients: dX is x's columns of dX', dW w's columns of dW', db its last.
-    const auto check_gradients = [&](const char* what, const matrix_buf<O>& gh, const matrix_buf<O>& gw,
-                                     const std::vector<O>& gb) {
-      CAPTURE(what);
-      const double scale_x = 1 + max_abs(want.dx), scale_w = 1 + max_abs(want.dw);
-      LCE_CHECK_CMP(compare(
-          "dX", n * h, [&](std::int64_t e) { return gh.get(e / h, e % h); },
-          [&](std::int64_t e) { return want.dx[static_cast<std::size_t>((e / h) * (h + 1) + e % h)]; },
-          [&](std::int64_t, double) { return gradient_tol<T>() * scale_x; }));
-      LCE_CHECK_CMP(compare(
-          "dW", v * h, [&](std::int64_t e) { return gw.get(e / h, e % h); },
-          [&](std::int64_t e) { return want.dw[static_cast<std::size_t>((e / h) * (h + 1) + e % h)]; },
-          [&](std::int64_t, double) { return gradient_tol<T>() * scale_w; }));
-      LCE_CHECK_CMP(compare(
-          "db", v, [&](std::int64_t j) { return double(gb[static_cast<std::size_t>(j)]) - 0.5; },
-          [&](std::int64_t j) { return want.dw[static_cast<std::size_t>(j * (h + 1) + h)]; },
-          [&](std::int64_t, double) { return gradient_tol<T>() * scale_w; }));
-    };
-    const vector_buf<O> G(g);
-    {
-      matrix_buf<O> gh(n, h), gw(v, h);
-      gw.fill(O(0));
-      std::vector<O> gb(static_cast<std::size_t>(v), O(0.5));  // accumulated onto
-      op.backward(hidden, lce::with_bias{weight, b}, Y.cview(), lse.cview(), G.cview(), gh.view(),
-                  lce::with_bias{gw.view(), lce::vector_view<O>{gb.data(), v}});
-      check_gradients("backward", gh, gw, gb);
-    }
-    {
-      matrix_buf<O> gh(n, h), gw(v, h);
-      gw.fill(O(0));
-      std::vector<O> gb(static_cast<std::size_t>(v), O(0.5));
-      vector_buf<O> lp_fb(n);
-      op.forward_backward(hidden, lce::with_bias{weight, b}, Y.cview(), G.cview(), lp_fb.view(), gh.view(),
-                          lce::with_bias{gw.view(), lce::vector_view<O>{gb.data(), v}});
-      check_gradients("forward_backward", gh, gw, gb);
-    }
-    // Without the bias the log-probs differ: the bias is not ignored.
-    vector_buf<O> lp0(n), lse0(n);
-    op.forward(hidden, weight, Y.cview(), lp0.view(), lse0.view());
-    bool differs = false;
-    for (std::int64_t i = 0; i < n; ++i) differs |= !p.ignored(i) && std::fabs(lp0.get(i) - lp.get(i)) > 1e-3;
-    CHECK(differs);
-  }
+  cases::bias::matches_bias_as_a_column<host_env, T>();
 }
 
 TEST_CASE("with_bias: a bias or grad_bias of the wrong size raises lce::error naming it, nothing written") {
@@ -114,126 +43,48 @@ TEST_CASE("with_bias: a bias or grad_bias of the wrong size raises lce::error na
   for (float e : gb) CHECK(e == 3.0f);
 }
 
-namespace {
-
-// A bias of -inf masks its column (padded vocabulary slots, a restricted set of
-// outputs): p = 0 there, and it adds nothing to the lse, the entropy or any
-// gradient. The reference is the head without the masked columns, materialised
-// in double with the bias as a hidden column (as above). Log-probs, lse, entropy
-// and the gradients (of log-probs and entropy, and of forward_backward) must be
-// its, and the masked columns' rows of dW and entries of db must stay exactly as
-// they were (0, and 0.5 accumulated onto).
-template <class T, class G, class Masked, class AfterBackward>
-void check_masked_columns(std::int64_t n, std::int64_t h, std::int64_t v, const lce::options& opt, Masked masked,
-                          std::uint64_t seed, AfterBackward after_backward) {
+// Code that serves heads with and without a bias through one instantiation
+// (lce_torch does) passes empty views: with_bias{weight, {}} is the plain head,
+// bit for bit, and an empty grad_bias is not written.
+TEST_CASE_TEMPLATE("with_bias: empty bias and grad_bias views are the head without a bias, bit for bit", T, float,
+                   lce::bfloat16) {
   using O = out_t<T>;
-  std::vector<std::int64_t> kept;
-  for (std::int64_t j = 0; j < v; ++j)
-    if (!masked(j)) kept.push_back(j);
-  const auto k = static_cast<std::int64_t>(kept.size());
-  problem p = make_problem(n, h + 1, k, seed, rounder_for<T>(), 1.5, 0.5);
-  p.tau = opt.temperature;
-  for (std::int64_t i = 0; i < n; ++i) p.x[static_cast<std::size_t>(i * (h + 1) + h)] = 1.0;
-  const forward_result ref = reference_forward(p);
-  const std::vector<double> g = random_vector(n, seed + 1, -1, 1), hg = random_vector(n, seed + 2, -1, 1);
-  const gradients want = reference_backward(p, ref, g, hg), want_fb = reference_backward(p, ref, g, {});
+  const std::int64_t n = 9, h = 8, v = 21;
+  const problem p = make_problem(n, h, v, 55, rounder_for<T>());
+  const auto X = make_matrix<T>(p.x, n, h);
+  const auto W = make_matrix<T>(p.w, v, h);
+  const auto Y = make_targets<std::int64_t>(p.y);
+  auto op = make_op<T>(make_options(1.0, 0.0, 4));
+  const lce::with_bias no_bias{W.cview(), lce::vector_view<const T>{}};
+  vector_buf<O> lp(n), lse(n), lp0(n), lse0(n);
+  op.forward(X.cview(), no_bias, Y.cview(), lp.view(), lse.view());
+  op.forward(X.cview(), W.cview(), Y.cview(), lp0.view(), lse0.view());
+  CHECK(lp.bytes() == lp0.bytes());
+  CHECK(lse.bytes() == lse0.bytes());
 
-  // lce's head: every column; a masked one has a -inf bias and any weights (kept column 0's).
-  std::vector<double> x(static_cast<std::size_t>(n * h)), w(static_cast<std::size_t>(v * h));
-  std::vector<T> bias(static_cast<std::size_t>(v), to_elem<T>(-std::numeric_limits<double>::infinity()));
-  std::vector<std::int64_t> kept_index(static_cast<std::size_t>(v), -1);
-  for (std::int64_t c = 0; c < k; ++c) kept_index[static_cast<std::size_t>(kept[static_cast<std::size_t>(c)])] = c;
-  for (std::int64_t i = 0; i < n; ++i)
-    for (std::int64_t c = 0; c < h; ++c) x[static_cast<std::size_t>(i * h + c)] = p.x[static_cast<std::size_t>(i * (h + 1) + c)];
-  for (std::int64_t j = 0; j < v; ++j) {
-    const std::int64_t from = std::max<std::int64_t>(kept_index[static_cast<std::size_t>(j)], 0);
-    for (std::int64_t c = 0; c < h; ++c)
-      w[static_cast<std::size_t>(j * h + c)] = p.w[static_cast<std::size_t>(from * (h + 1) + c)];
-    if (kept_index[static_cast<std::size_t>(j)] >= 0)
-      bias[static_cast<std::size_t>(j)] = to_elem<T>(p.w[static_cast<std::size_t>(from * (h + 1) + h)]);
-  }
-  std::vector<std::int64_t> y(static_cast<std::size_t>(n));
-  for (std::int64_t i = 0; i < n; ++i)
-    y[static_cast<std::size_t>(i)] = p.ignored(i) ? p.ignore_index : kept[static_cast<std::size_t>(p.y[static_cast<std::size_t>(i)])];
-  const auto X = make_matrix<T>(x, n, h);
-  const auto W = make_matrix<T>(w, v, h);
-  const auto Y = make_targets<std::int64_t>(y);
-  const lce::vector_view<const T> b{bias.data(), v};
-  const auto head = lce::with_bias{W.cview(), b};
-  auto op = make_op<T>(opt);
+  const vector_buf<O> G(random_vector(n, 56, -1, 1));
+  matrix_buf<O> gh(n, h), gw(v, h), gh0(n, h), gw0(v, h);
+  gw.fill(O(0));
+  gw0.fill(O(0));
+  op.backward(X.cview(), no_bias, Y.cview(), lse.cview(), G.cview(), gh.view(),
+              lce::with_bias{gw.view(), lce::vector_view<O>{}});
+  op.backward(X.cview(), W.cview(), Y.cview(), lse0.cview(), G.cview(), gh0.view(), gw0.view());
+  CHECK(gh.bytes() == gh0.bytes());
+  CHECK(gw.bytes() == gw0.bytes());
 
-  vector_buf<O> lp(n), lse(n), ent(n);
-  op.forward(X.cview(), head, Y.cview(), lp.view(), lse.view(), ent.view());
-  const double tol = base_tol<T>() * 10;
-  const auto row_check = [&](const char* what, const vector_buf<O>& got, const std::vector<real>& expected) {
-    LCE_CHECK_CMP(compare(
-        what, n, [&](std::int64_t i) { return got.get(i); }, [&](std::int64_t i) { return double(expected[i]); },
-        [&](std::int64_t, double e) { return tol * (1 + std::fabs(e)); }));
-  };
-  row_check("logprobs", lp, ref.logp);
-  row_check("lse", lse, ref.lse);
-  row_check("entropy", ent, ref.ent);
-
-  const auto check_gradients = [&](const char* what, const gradients& expected, const matrix_buf<G>& gh,
-                                   const matrix_buf<G>& gw, const std::vector<O>& gb) {
-    CAPTURE(what);
-    const double scale_x = 1 + max_abs(expected.dx), scale_w = 1 + max_abs(expected.dw);
-    const double gtol = gradient_tol<T>() + ulp_of<G>(1.0);
-    LCE_CHECK_CMP(compare(
-        "dX", n * h, [&](std::int64_t e) { return gh.get(e / h, e % h); },
-        [&](std::int64_t e) { return expected.dx[static_cast<std::size_t>((e / h) * (h + 1) + e % h)]; },
-        [&](std::int64_t, double) { return gtol * scale_x; }));
-    // A masked row of dW, and its db, must be untouched: a want of exactly 0 (and 0.5 - 0.5).
-    const auto kept_or_zero = [&](std::int64_t j, std::int64_t c) {
-      const std::int64_t from = kept_index[static_cast<std::size_t>(j)];
-      return from < 0 ? 0.0 : expected.dw[static_cast<std::size_t>(from * (h + 1) + c)];
-    };
-    const auto tolerance_of = [&](std::int64_t j, double scale) {
-      return kept_index[static_cast<std::size_t>(j)] < 0 ? 0.0 : gtol * scale;
-    };
-    LCE_CHECK_CMP(compare(
-        "dW", v * h, [&](std::int64_t e) { return gw.get(e / h, e % h); },
-        [&](std::int64_t e) { return kept_or_zero(e / h, e % h); },
-        [&](std::int64_t e, double) { return tolerance_of(e / h, scale_w); }));
-    LCE_CHECK_CMP(compare(
-        "db", v, [&](std::int64_t j) { return double(gb[static_cast<std::size_t>(j)]) - 0.5; },
-        [&](std::int64_t j) { return kept_or_zero(j, h); },
-        [&](std::int64_t j, double) { return tolerance_of(j, scale_w); }));
-  };
-  const vector_buf<O> Gv(g), HG(hg);
-  {
-    matrix_buf<G> gh(n, h), gw(v, h);
-    gw.fill(G(0));
-    std::vector<O> gb(static_cast<std::size_t>(v), O(0.5));
-    op.backward(X.cview(), head, Y.cview(), lse.cview(), Gv.cview(), HG.cview(), gh.view(),
-                lce::with_bias{gw.view(), lce::vector_view<O>{gb.data(), v}});
-    check_gradients("backward, log-probs and entropy", want, gh, gw, gb);
-    after_backward(op);
-  }
-  {
-    matrix_buf<G> gh(n, h), gw(v, h);
-    gw.fill(G(0));
-    std::vector<O> gb(static_cast<std::size_t>(v), O(0.5));
-    vector_buf<O> lp_fb(n);
-    op.forward_backward(X.cview(), head, Y.cview(), Gv.cview(), lp_fb.view(), gh.view(),
-                        lce::with_bias{gw.view(), lce::vector_view<O>{gb.data(), v}});
-    check_gradients("forward_backward", want_fb, gh, gw, gb);
-    row_check("forward_backward logprobs", lp_fb, ref.logp);
-  }
+  gw.fill(O(0));
+  gw0.fill(O(0));
+  op.forward_backward(X.cview(), no_bias, Y.cview(), G.cview(), lp.view(), gh.view(),
+                      lce::with_bias{gw.view(), lce::vector_view<O>{}});
+  op.forward_backward(X.cview(), W.cview(), Y.cview(), G.cview(), lp0.view(), gh0.view(), gw0.view());
+  CHECK(lp.bytes() == lp0.bytes());
+  CHECK(gh.bytes() == gh0.bytes());
+  CHECK(gw.bytes() == gw0.bytes());
 }
-
-}  // namespace
 
 TEST_CASE_TEMPLATE("with_bias: a bias of -inf masks its columns: the head without them, entropy included", T, float,
                    double, lce::bfloat16) {
-  // The last 17 columns (padded vocabulary slots) and every 7th; the soft-cap would map -inf to -cap.
-  const auto masked = [](std::int64_t j) { return j >= 60 || j % 7 == 3; };
-  for (const auto& s : scalings) {
-    if (s.cap != 0.0f) continue;
-    CAPTURE(s.tau);
-    CAPTURE(s.chunk);
-    check_masked_columns<T, out_t<T>>(13, 16, 77, make_options(s.tau, 0.0f, s.chunk), masked, 61, [](const auto&) {});
-  }
+  cases::bias::masks_columns<host_env, T>();
 }
 
 TEST_CASE_TEMPLATE("with_bias: a bias of -inf masking whole vocabulary tiles (the vocabulary order)", T, lce::bfloat16,
@@ -244,7 +95,7 @@ TEST_CASE_TEMPLATE("with_bias: a bias of -inf masking whole vocabulary tiles (th
   const auto masked = [](std::int64_t j) { return j >= 4000 || j % 5 == 1; };
   for (const vo::tiling l : vo::tilings) {
     CAPTURE(int(l));
-    check_masked_columns<T, vo::narrow_t<T>>(
+    cases::bias::masked_columns<host_env, T, vo::narrow_t<T>>(
         vo::tokens, vo::hidden - 1, vo::vocab, vo::budget_options<T>(0.8f, 0.0f, l), masked, 71,
         [&](const auto& op) { vo::check_took_vocabulary_order<std::remove_cvref_t<decltype(op)>, T>(op, l, vo::hidden - 1); });
   }

@@ -11,7 +11,8 @@
 //               lce::with_bias{grad_weight, grad_bias});
 //
 // The bias joins the raw logit before the soft-cap and the temperature:
-// s = x . w + b.
+// s = x . w + b. An empty bias view ({}) is no bias, and an empty grad_bias is
+// not written: one instantiation serves heads with and without a bias.
 
 #include <lce/core/config.hpp>
 #include <lce/core/views.hpp>

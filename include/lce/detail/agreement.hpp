@@ -27,18 +27,23 @@
 LCE_BEGIN_NAMESPACE
 namespace detail {
 
-// Which call a rank is making; the record's `call` is the kind plus, from
-// bit 8 up, which optional per-token vectors it has (row_terms.hpp masks).
+// Which call a rank is making; the record's `call` is the kind, the head's
+// bits (a bias, a grad_bias) and, from bit 8 up, which optional per-token
+// vectors it has (row_terms.hpp masks).
 enum class call_kind : std::int64_t { forward = 1, backward = 3, forward_backward = 5 };
+// A bias is a property of the model and grad_bias of the call: a rank without
+// them while the others have them is a caller's mistake, not a shard's choice.
+inline constexpr std::int64_t call_with_bias = 1 << 6, call_with_grad_bias = 1 << 7;
 
 // "forward(logprobs, lse, entropy)" for a record's `call`, for error messages.
 inline std::string describe_call(std::int64_t call) {
   static constexpr const char* outputs[] = {"logprobs", "lse", "entropy", "mean_logit"};
   static constexpr const char* gradients[] = {"grad_logprobs", "grad_entropy", "grad_lse", "grad_mean_logit"};
-  // Bits 0-7 the kind, 8-19 which per-token vectors (forward_backward: 5 gradient
-  // bits, then the outputs'), 20 on the target set's size K.
+  // Bits 0-5 the kind, 6-7 the head's, 8-19 which per-token vectors
+  // (forward_backward: 5 gradient bits, then the outputs'), 20 on the target
+  // set's size K.
   static constexpr const char* squared = "lse_squared";
-  const std::int64_t kind = call & 0xff, terms = call >> 8 & 0xfff, set_size = call >> 20;
+  const std::int64_t kind = call & 0x3f, terms = call >> 8 & 0xfff, set_size = call >> 20;
   std::string text;
   std::int64_t output_bits = 0, gradient_bits = 0;
   if (kind == static_cast<std::int64_t>(call_kind::forward)) {
@@ -64,6 +69,8 @@ inline std::string describe_call(std::int64_t call) {
   list(gradients, gradient_bits & 0xf);
   if (gradient_bits & 0x10) list(&squared, 1);
   list(outputs, output_bits);
+  static constexpr const char* head[] = {"bias", "grad_bias"};
+  list(head, call >> 6 & 0x3);
   if (set_size > 0) text += (first ? "" : ", ") + std::string("target sets of ") + std::to_string(set_size);
   return text + ")";
 }

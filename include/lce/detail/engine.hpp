@@ -229,7 +229,7 @@ class engine {
   void forward(const deferred_failure& conversion, const operator_inputs<T, Index>& in,
                const row_output_views<Logprobs, Lse, Entropy, MeanLogit>& out) {
     exclusive_call busy(busy_, "forward");
-    const auto call = prepare(conversion, in, call_kind::forward, out.mask(), no_weight_gradient,
+    const auto call = prepare(conversion, in, call_kind::forward, out.mask(), no_weight_gradient, {},
                               [&](std::int64_t n) { check_outputs(in, out, n, {}); });
     if (in.targets.size == 0) return;
     [[maybe_unused]] const auto backend_call = begin_backend_call();
@@ -253,7 +253,8 @@ class engine {
                 matrix_view<GradHidden> grad_hidden, matrix_view<GradWeight> grad_weight,
                 vector_view<Compute> grad_bias = {}) {
     exclusive_call busy(busy_, "backward");
-    const auto call = prepare(conversion, in, call_kind::backward, grads.mask(), grad_weight, [&](std::int64_t n) {
+    const auto call = prepare(conversion, in, call_kind::backward, grads.mask(), grad_weight, grad_bias,
+                              [&](std::int64_t n) {
       check_rows(lse, "lse", n, "targets");
       check_given(grads, n, in.set_size);
       check_gradients(in, grad_hidden, grad_weight, grad_bias);
@@ -327,7 +328,7 @@ class engine {
                         vector_view<Compute> grad_bias = {}) {
     exclusive_call busy(busy_, "forward_backward");
     const auto call = prepare(conversion, in, call_kind::forward_backward, grads.mask() | out.mask() << 5,
-                              grad_weight, [&](std::int64_t n) {
+                              grad_weight, grad_bias, [&](std::int64_t n) {
                                 check_given(grads, n, in.set_size);
                                 check_outputs(in, out, n,
                                               {bytes_of(grads.logprobs, "grad_logprobs"),
@@ -608,7 +609,8 @@ class engine {
   // `terms` says which optional per-token vectors the call has: ranks must agree on it too.
   template <class Index, class GradWeight, class CallChecks>
   prepared_call prepare(const deferred_failure& conversion, const operator_inputs<T, Index>& in, call_kind kind,
-                        std::int64_t terms, const GradWeight&, CallChecks&& call_checks) {
+                        std::int64_t terms, const GradWeight&, const vector_view<Compute>& grad_bias,
+                        CallChecks&& call_checks) {
     prepared_call call;
     call_record mine;
     target_scan targets;
@@ -656,7 +658,8 @@ class engine {
       mine.ignore_index = options_.ignore_index;
       mine.temperature_bits = float_bits(options_.temperature);
       mine.softcap_bits = float_bits(options_.softcap);
-      mine.call = static_cast<std::int64_t>(kind) | terms << 8 | in.set_size << 20;
+      mine.call = static_cast<std::int64_t>(kind) | (in.bias.size ? call_with_bias : 0) |
+                  (grad_bias.size ? call_with_grad_bias : 0) | terms << 8 | in.set_size << 20;
       mine.targets_hash = targets.hash;
     }
     const agreed_call agreed = agreement_.agree(comm_, mine, failure);

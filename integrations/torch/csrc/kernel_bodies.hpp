@@ -58,11 +58,12 @@ struct row_term_gradients {
 
 template <class TorchT, class Device>
 std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>()> kernels<TorchT, Device>::forward(
-    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, bool with_entropy,
-    bool with_mean_logit, const config& c) {
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+    const std::optional<at::Tensor>& bias, bool with_entropy, bool with_mean_logit, const config& c) {
   const auto on_device = Device::guard(hidden);
   const auto op = hold(Device::template op<T>(c));
   const rows_view x = as_rows(hidden, "hidden"), w = as_rows(weight, "weight");
+  const at::Tensor b = bias_vector(bias, weight);
   const at::Tensor y = as_vector(targets);
   const auto out = at::TensorOptions().dtype(c10::CppTypeToScalarType<R>::value).device(hidden.device());
   at::Tensor logp = at::empty(targets.sizes(), out), lse = at::empty(targets.sizes(), out);
@@ -73,7 +74,7 @@ std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>()> kern
     with_op(op, [&](auto& o) {
       workspace_release<std::remove_reference_t<decltype(o)>> release{o};
       with_targets(y, [&](auto ids) {
-        o.forward(matrix_of<const T>(x), matrix_of<const T>(w), ids,
+        o.forward(matrix_of<const T>(x), head_of<const T>(matrix_of<const T>(w), b), ids,
                   lce::row_outputs<R>{vector_of<R>(logp), vector_of<R>(lse),
                                       with_entropy ? vector_of<R>(ent) : lce::vector_view<R>{},
                                       with_mean_logit ? vector_of<R>(mean) : lce::vector_view<R>{}});
@@ -84,14 +85,16 @@ std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>()> kern
 }
 
 template <class TorchT, class Device>
-std::function<std::tuple<at::Tensor, at::Tensor>()> kernels<TorchT, Device>::backward(
+std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor>()> kernels<TorchT, Device>::backward(
     const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy, const at::Tensor& hidden,
     const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& lse,
-    const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit, const config& c) {
+    const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit,
+    const std::optional<at::Tensor>& bias, const config& c) {
   const auto on_device = Device::guard(hidden);
   const auto op = hold(Device::template op<T>(c));
   const at::Device device = hidden.device();
   const rows_view x = as_rows(hidden, "hidden"), w = as_rows(weight, "weight");
+  const at::Tensor b = bias_vector(bias, weight);
   at::Tensor y = as_vector(targets);
   const auto rt = c10::CppTypeToScalarType<R>::value;
   const std::int64_t n = y.numel();
@@ -114,33 +117,36 @@ std::function<std::tuple<at::Tensor, at::Tensor>()> kernels<TorchT, Device>::bac
   }
   at::Tensor dx = at::empty(hidden.sizes(), hidden.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor dw = zeroed_weight_gradient(w.rows, w.cols, weight.options());
+  const at::Tensor db = zeroed_bias_gradient<R>(b);
   const rows_view gx = as_rows(dx, "grad_hidden"), gw = as_rows(dw, "grad_weight");
-  return [=]() -> std::tuple<at::Tensor, at::Tensor> {
+  return [=]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor> {
     const auto on_device = Device::guard(x.tensor);
     with_op(op, [&](auto& o) {
       workspace_release<std::remove_reference_t<decltype(o)>> release{o};
       with_targets(y, [&](auto ids) {
-        o.backward(matrix_of<const T>(x), matrix_of<const T>(w), ids, vector_of<const R>(ls),
+        o.backward(matrix_of<const T>(x), head_of<const T>(matrix_of<const T>(w), b), ids, vector_of<const R>(ls),
                    lce::row_gradients<R>{vector_of<const R>(gl), optional_vector<const R>(terms.entropy),
                                          optional_vector<const R>(terms.lse),
                                          optional_vector<const R>(terms.mean_logit)},
-                   matrix_of<T>(gx), matrix_of<T>(gw));
+                   matrix_of<T>(gx), head_of<R>(matrix_of<T>(gw), db));
       });
     });
-    return {dx, dw};
+    return {dx, dw, bias_gradient_result(db, b, weight)};
   };
 }
 
 template <class TorchT, class Device>
-std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>()>
+std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor>()>
 kernels<TorchT, Device>::forward_backward(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
-                                  const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_lse,
-                                  const std::optional<at::Tensor>& grad_mean_logit, bool with_mean_logit,
-                                  const config& c) {
+                                          const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_lse,
+                                          const std::optional<at::Tensor>& grad_mean_logit,
+                                          const std::optional<at::Tensor>& bias, bool with_mean_logit,
+                                          const config& c) {
   const auto on_device = Device::guard(hidden);
   const auto op = hold(Device::template op<T>(c));
   const at::Device device = hidden.device();
   const rows_view x = as_rows(hidden, "hidden"), w = as_rows(weight, "weight");
+  const at::Tensor b = bias_vector(bias, weight);
   const at::Tensor y = as_vector(targets);
   const auto rt = c10::CppTypeToScalarType<R>::value;
   const std::int64_t n = y.numel();
@@ -151,33 +157,35 @@ kernels<TorchT, Device>::forward_backward(const at::Tensor& hidden, const at::Te
   at::Tensor mean = with_mean_logit ? at::empty(targets.sizes(), out) : at::empty({0}, out);
   at::Tensor dx = at::empty(hidden.sizes(), hidden.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor dw = zeroed_weight_gradient(w.rows, w.cols, weight.options());
+  const at::Tensor db = zeroed_bias_gradient<R>(b);
   const rows_view gx = as_rows(dx, "grad_hidden"), gw = as_rows(dw, "grad_weight");
-  return [=]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> {
+  return [=]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> {
     const auto on_device = Device::guard(x.tensor);
     with_op(op, [&](auto& o) {
       workspace_release<std::remove_reference_t<decltype(o)>> release{o};
       with_targets(y, [&](auto ids) {
         o.forward_backward(
-            matrix_of<const T>(x), matrix_of<const T>(w), ids,
+            matrix_of<const T>(x), head_of<const T>(matrix_of<const T>(w), b), ids,
             lce::row_gradients<R>{vector_of<const R>(gl), {}, optional_vector<const R>(terms.lse),
                                   optional_vector<const R>(terms.mean_logit)},
             lce::row_outputs<R>{vector_of<R>(logp), vector_of<R>(lse), {},
                                 with_mean_logit ? vector_of<R>(mean) : lce::vector_view<R>{}},
-            matrix_of<T>(gx), matrix_of<T>(gw));
+            matrix_of<T>(gx), head_of<R>(matrix_of<T>(gw), db));
       });
     });
-    return {logp, dx, dw, lse, mean};
+    return {logp, dx, dw, lse, mean, bias_gradient_result(db, b, weight)};
   };
 }
 
 
 template <class TorchT, class Device>
 std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>()> kernels<TorchT, Device>::set_forward(
-    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& ids, bool with_entropy,
-    bool with_mean_logit, const config& c) {
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& ids, const std::optional<at::Tensor>& bias,
+    bool with_entropy, bool with_mean_logit, const config& c) {
   const auto on_device = Device::guard(hidden);
   const auto op = hold(Device::template op<T>(c));
   const rows_view x = as_rows(hidden, "hidden"), w = as_rows(weight, "weight");
+  const at::Tensor b = bias_vector(bias, weight);
   const sets_view y = as_sets(ids);
   const auto rows_shape = ids.sizes().slice(0, ids.dim() - 1);
   const auto out = at::TensorOptions().dtype(c10::CppTypeToScalarType<R>::value).device(hidden.device());
@@ -189,7 +197,7 @@ std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>()> kern
     with_op(op, [&](auto& o) {
       workspace_release<std::remove_reference_t<decltype(o)>> release{o};
       with_sets(y.tensor, [&](auto sets) {
-        o.forward(matrix_of<const T>(x), matrix_of<const T>(w), sets,
+        o.forward(matrix_of<const T>(x), head_of<const T>(matrix_of<const T>(w), b), sets,
                   lce::target_set_outputs<R>{dense_of<R>(logp.view({y.rows, y.k})), vector_of<R>(lse),
                                              with_entropy ? vector_of<R>(ent) : lce::vector_view<R>{},
                                              with_mean_logit ? vector_of<R>(mean) : lce::vector_view<R>{}});
@@ -200,14 +208,16 @@ std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>()> kern
 }
 
 template <class TorchT, class Device>
-std::function<std::tuple<at::Tensor, at::Tensor>()> kernels<TorchT, Device>::set_backward(
+std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor>()> kernels<TorchT, Device>::set_backward(
     const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy, const at::Tensor& hidden,
     const at::Tensor& weight, const at::Tensor& ids, const at::Tensor& lse,
-    const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit, const config& c) {
+    const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit,
+    const std::optional<at::Tensor>& bias, const config& c) {
   const auto on_device = Device::guard(hidden);
   const auto op = hold(Device::template op<T>(c));
   const at::Device device = hidden.device();
   const rows_view x = as_rows(hidden, "hidden"), w = as_rows(weight, "weight");
+  const at::Tensor b = bias_vector(bias, weight);
   sets_view y = as_sets(ids);
   const auto rt = c10::CppTypeToScalarType<R>::value;
   const std::int64_t n = y.rows;
@@ -232,20 +242,21 @@ std::function<std::tuple<at::Tensor, at::Tensor>()> kernels<TorchT, Device>::set
   }
   at::Tensor dx = at::empty(hidden.sizes(), hidden.options().memory_format(at::MemoryFormat::Contiguous));
   at::Tensor dw = zeroed_weight_gradient(w.rows, w.cols, weight.options());
+  const at::Tensor db = zeroed_bias_gradient<R>(b);
   const rows_view gx = as_rows(dx, "grad_hidden"), gw = as_rows(dw, "grad_weight");
-  return [=]() -> std::tuple<at::Tensor, at::Tensor> {
+  return [=]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor> {
     const auto on_device = Device::guard(x.tensor);
     with_op(op, [&](auto& o) {
       workspace_release<std::remove_reference_t<decltype(o)>> release{o};
       with_sets(y.tensor, [&](auto sets) {
-        o.backward(matrix_of<const T>(x), matrix_of<const T>(w), sets, vector_of<const R>(ls),
+        o.backward(matrix_of<const T>(x), head_of<const T>(matrix_of<const T>(w), b), sets, vector_of<const R>(ls),
                    lce::target_set_gradients<R>{dense_of<const R>(gl), optional_vector<const R>(terms.entropy),
                                                 optional_vector<const R>(terms.lse),
                                                 optional_vector<const R>(terms.mean_logit)},
-                   matrix_of<T>(gx), matrix_of<T>(gw));
+                   matrix_of<T>(gx), head_of<R>(matrix_of<T>(gw), db));
       });
     });
-    return {dx, dw};
+    return {dx, dw, bias_gradient_result(db, b, weight)};
   };
 }
 

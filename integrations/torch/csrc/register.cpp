@@ -2,20 +2,21 @@
 // Fake (meta) kernels and autograd are registered in Python
 // (lce_torch/_ops.py: torch.library.register_fake / register_autograd).
 //
-//   lce::logprobs                  hidden, weight, targets -> logprobs, lse, entropy, mean_logit
+//   lce::logprobs                  hidden, weight, targets, bias? -> logprobs, lse, entropy, mean_logit
 //   lce::logprobs_backward         grad_logprobs, grad_entropy?, hidden, weight, targets, lse,
-//                                  grad_lse?, grad_mean_logit? -> grad_hidden, grad_weight
-//   lce::logprobs_forward_backward hidden, weight, targets, grad_logprobs, grad_lse?, grad_mean_logit?
-//                                  -> logprobs, grad_hidden, grad_weight, lse, mean_logit (one sweep)
+//                                  grad_lse?, grad_mean_logit?, bias? -> grad_hidden, grad_weight, grad_bias
+//   lce::logprobs_forward_backward hidden, weight, targets, grad_logprobs, grad_lse?, grad_mean_logit?, bias?
+//                                  -> logprobs, grad_hidden, grad_weight, lse, mean_logit, grad_bias (one sweep)
 //
-//   lce::target_set_logprobs      hidden, weight, ids [..., K] -> logprobs [..., K], lse, entropy, mean_logit
+//   lce::target_set_logprobs      hidden, weight, ids [..., K], bias? -> logprobs [..., K], lse, entropy, mean_logit
 //   lce::target_set_logprobs_backward
 //                                  grad_logprobs [..., K], grad_entropy?, hidden, weight, ids, lse,
-//                                  grad_lse?, grad_mean_logit? -> grad_hidden, grad_weight
+//                                  grad_lse?, grad_mean_logit?, bias? -> grad_hidden, grad_weight, grad_bias
 //   (target sets: K ids per token, e.g. a teacher's top-K; lce's target_set_outputs / _gradients)
 //
 // (lce's row-term forms: entropy and mean_logit are [0] unless with_entropy /
-// with_mean_logit; a missing gradient counts as 0.)
+// with_mean_logit; a missing gradient counts as 0. bias: the LM head's [V_local],
+// weight's dtype, lce::with_bias; grad_bias is [0] without it.)
 //
 // Every op takes the same keyword options: vocab_start, ignore_index,
 // temperature, softcap, sequence_parallel, chunk_tokens, workspace_limit_bytes,
@@ -155,7 +156,8 @@ auto agreed(const config& c, const at::Tensor& hidden, Prepare&& prepare) {
 
 template <class Device>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprobs_on(
-    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, bool with_entropy,
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+    const std::optional<at::Tensor>& bias, bool with_entropy,
     bool with_mean_logit, std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel,
     std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
@@ -163,17 +165,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprobs_on(
   return agreed(c, hidden, [&] {
     check_inputs<Device>(hidden, weight, targets);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
-      return kernels<TorchT, Device>::forward(hidden, weight, targets, with_entropy, with_mean_logit, c);
+      return kernels<TorchT, Device>::forward(hidden, weight, targets, bias, with_entropy, with_mean_logit, c);
     });
   });
 }
 
 template <class Device>
-std::tuple<at::Tensor, at::Tensor> logprobs_backward_on(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> logprobs_backward_on(
     const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy, const at::Tensor& hidden,
     const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& lse,
     const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit,
-    std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel,
+    const std::optional<at::Tensor>& bias, std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel,
     std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                                workspace_limit_bytes, group_name);
@@ -181,16 +183,16 @@ std::tuple<at::Tensor, at::Tensor> logprobs_backward_on(
     check_inputs<Device>(hidden, weight, targets);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
       return kernels<TorchT, Device>::backward(grad_logprobs, grad_entropy, hidden, weight, targets, lse, grad_lse,
-                                               grad_mean_logit, c);
+                                               grad_mean_logit, bias, c);
     });
   });
 }
 
 template <class Device>
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprobs_forward_backward_on(
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprobs_forward_backward_on(
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& grad_logprobs,
     const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit,
-    bool with_mean_logit, std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel,
+    const std::optional<at::Tensor>& bias, bool with_mean_logit, std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel,
     std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                                workspace_limit_bytes, group_name);
@@ -198,14 +200,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprobs_
     check_inputs<Device>(hidden, weight, targets);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
       return kernels<TorchT, Device>::forward_backward(hidden, weight, targets, grad_logprobs, grad_lse,
-                                                       grad_mean_logit, with_mean_logit, c);
+                                                       grad_mean_logit, bias, with_mean_logit, c);
     });
   });
 }
 
 template <class Device>
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> target_set_logprobs_on(
-    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& ids, bool with_entropy,
+    const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& ids, const std::optional<at::Tensor>& bias,
+    bool with_entropy,
     bool with_mean_logit, std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap,
     bool sequence_parallel, std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes,
     std::optional<std::string> group_name) {
@@ -214,17 +217,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> target_set_logprobs_o
   return agreed(c, hidden, [&] {
     check_inputs<Device>(hidden, weight, ids, "ids");
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
-      return kernels<TorchT, Device>::set_forward(hidden, weight, ids, with_entropy, with_mean_logit, c);
+      return kernels<TorchT, Device>::set_forward(hidden, weight, ids, bias, with_entropy, with_mean_logit, c);
     });
   });
 }
 
 template <class Device>
-std::tuple<at::Tensor, at::Tensor> target_set_logprobs_backward_on(
+std::tuple<at::Tensor, at::Tensor, at::Tensor> target_set_logprobs_backward_on(
     const at::Tensor& grad_logprobs, const std::optional<at::Tensor>& grad_entropy, const at::Tensor& hidden,
     const at::Tensor& weight, const at::Tensor& ids, const at::Tensor& lse,
     const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit,
-    std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel,
+    const std::optional<at::Tensor>& bias, std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel,
     std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                                workspace_limit_bytes, group_name);
@@ -232,7 +235,7 @@ std::tuple<at::Tensor, at::Tensor> target_set_logprobs_backward_on(
     check_inputs<Device>(hidden, weight, ids, "ids");
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
       return kernels<TorchT, Device>::set_backward(grad_logprobs, grad_entropy, hidden, weight, ids, lse, grad_lse,
-                                                   grad_mean_logit, c);
+                                                   grad_mean_logit, bias, c);
     });
   });
 }
@@ -263,25 +266,27 @@ void impl_ops(torch::Library& m) {
 }  // namespace lce_torch
 
 TORCH_LIBRARY(lce, m) {
-  m.def("logprobs(Tensor hidden, Tensor weight, Tensor targets, *, bool with_entropy=False, "
+  m.def("logprobs(Tensor hidden, Tensor weight, Tensor targets, Tensor? bias=None, *, bool with_entropy=False, "
         "bool with_mean_logit=False, " LCE_TORCH_OPTIONS
         ") -> (Tensor logprobs, Tensor lse, Tensor entropy, Tensor mean_logit)",
         lce_torch::op_tags());
   m.def("logprobs_backward(Tensor grad_logprobs, Tensor? grad_entropy, Tensor hidden, Tensor weight, "
-        "Tensor targets, Tensor lse, Tensor? grad_lse=None, Tensor? grad_mean_logit=None, *, " LCE_TORCH_OPTIONS
-        ") -> (Tensor grad_hidden, Tensor grad_weight)",
+        "Tensor targets, Tensor lse, Tensor? grad_lse=None, Tensor? grad_mean_logit=None, Tensor? bias=None, *, "
+        LCE_TORCH_OPTIONS ") -> (Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)",
         lce_torch::op_tags());
   m.def("logprobs_forward_backward(Tensor hidden, Tensor weight, Tensor targets, Tensor grad_logprobs, "
-        "Tensor? grad_lse=None, Tensor? grad_mean_logit=None, *, bool with_mean_logit=False, " LCE_TORCH_OPTIONS
-        ") -> (Tensor logprobs, Tensor grad_hidden, Tensor grad_weight, Tensor lse, Tensor mean_logit)",
+        "Tensor? grad_lse=None, Tensor? grad_mean_logit=None, Tensor? bias=None, *, bool with_mean_logit=False, "
+        LCE_TORCH_OPTIONS
+        ") -> (Tensor logprobs, Tensor grad_hidden, Tensor grad_weight, Tensor lse, Tensor mean_logit, "
+        "Tensor grad_bias)",
         lce_torch::op_tags());
-  m.def("target_set_logprobs(Tensor hidden, Tensor weight, Tensor ids, *, bool with_entropy=False, "
-        "bool with_mean_logit=False, " LCE_TORCH_OPTIONS
+  m.def("target_set_logprobs(Tensor hidden, Tensor weight, Tensor ids, Tensor? bias=None, *, "
+        "bool with_entropy=False, bool with_mean_logit=False, " LCE_TORCH_OPTIONS
         ") -> (Tensor logprobs, Tensor lse, Tensor entropy, Tensor mean_logit)",
         lce_torch::op_tags());
   m.def("target_set_logprobs_backward(Tensor grad_logprobs, Tensor? grad_entropy, Tensor hidden, Tensor weight, "
-        "Tensor ids, Tensor lse, Tensor? grad_lse=None, Tensor? grad_mean_logit=None, *, " LCE_TORCH_OPTIONS
-        ") -> (Tensor grad_hidden, Tensor grad_weight)",
+        "Tensor ids, Tensor lse, Tensor? grad_lse=None, Tensor? grad_mean_logit=None, Tensor? bias=None, *, "
+        LCE_TORCH_OPTIONS ") -> (Tensor grad_hidden, Tensor grad_weight, Tensor grad_bias)",
         lce_torch::op_tags());
   m.def("blas_info() -> str", &lce_torch::blas_info_line);
   m.def("set_keep_workspace(bool keep) -> ()", &lce_torch::set_keep_workspace);

@@ -191,6 +191,40 @@ lce::vector_view<E> optional_vector(const at::Tensor& t) {
 }
 
 
+// The head's optional bias [V_r] (weight's dtype and device) as a unit-stride
+// vector, or an undefined tensor without one.
+inline at::Tensor bias_vector(const std::optional<at::Tensor>& bias, const at::Tensor& weight) {
+  if (!given(bias)) return {};
+  const at::Tensor& b = *bias;
+  TORCH_CHECK(b.dim() == 1 && weight.dim() == 2 && b.size(0) == weight.size(0), "lce_torch: bias must be [V_local] = [",
+              weight.dim() == 2 ? weight.size(0) : -1, "] (one entry per row of weight), got ", b.sizes());
+  TORCH_CHECK_TYPE(b.scalar_type() == weight.scalar_type(), "lce_torch: bias (", b.scalar_type(),
+                   ") must have the dtype of weight (", weight.scalar_type(), ")");
+  TORCH_CHECK(b.device() == weight.device(), "lce_torch: bias must be on ", weight.device(), " with weight, got ",
+              b.device());
+  return as_vector(b);
+}
+
+// The head lce is handed (or its gradient): the weight with_bias its bias of
+// elements B or, without one, an empty view (lce's plain head, bit for bit:
+// one instantiation serves both).
+template <class B, class E>
+auto head_of(const lce::matrix_view<E>& weight, const at::Tensor& bias) {
+  return lce::with_bias{weight, optional_vector<B>(bias)};
+}
+
+// grad_bias for lce's += (the compute type R, zeroed), or undefined without a bias.
+template <class R>
+at::Tensor zeroed_bias_gradient(const at::Tensor& bias) {
+  return bias.defined() ? at::zeros({bias.numel()}, bias.options().dtype(c10::CppTypeToScalarType<R>::value))
+                        : at::Tensor();
+}
+
+// What a gradient op returns for the bias: grad_bias in the bias's dtype, or [0].
+inline at::Tensor bias_gradient_result(const at::Tensor& grad_bias, const at::Tensor& bias, const at::Tensor& weight) {
+  return bias.defined() ? grad_bias.to(bias.scalar_type()) : at::empty({0}, weight.options());
+}
+
 // ids [..., K] as a dense [N, K] matrix (lce needs ld = K): a view when the
 // tensor is contiguous, otherwise a contiguous copy.
 struct sets_view {

@@ -89,14 +89,17 @@ def _options(vocab_start, ignore_index, temperature, softcap, sequence_parallel,
     )
 
 
-def linear_logprobs(hidden, weight, targets, *, vocab_start=0, ignore_index=-100, temperature=1.0, softcap=0.0,
-                    with_entropy=False, return_lse=False, return_mean_logit=False, group=None,
+def linear_logprobs(hidden, weight, targets, *, bias=None, vocab_start=0, ignore_index=-100, temperature=1.0,
+                    softcap=0.0, with_entropy=False, return_lse=False, return_mean_logit=False, group=None,
                     sequence_parallel=False, chunk_tokens=0, workspace_limit_bytes=_DEFAULT_WORKSPACE):
     """Per-token log p(targets | hidden) under the LM head ``weight``, without the logits.
 
     hidden [..., H] (float32, bfloat16, float16, float64), weight [V_local, H] (same
     dtype), targets [...] (int32 / int64 global ids, or ``ignore_index``: log-prob 0).
-    Logits are ``softcap * tanh(hidden @ weight.T / softcap) / temperature`` (softcap 0: none).
+    Logits are ``softcap * tanh(s / softcap) / temperature`` (softcap 0: none) of the raw
+    logits ``s = hidden @ weight.T + bias`` (``F.linear(hidden, weight, bias)``; ``bias``
+    [V_local], weight's dtype, optional and differentiable; a bias of ``-inf`` masks its
+    column: probability 0, no gradient, the entropy that of the other columns).
 
     Returns ``logprobs`` [...] (float32; float64 for float64 inputs), or the tuple
     ``(logprobs, entropy)`` with ``with_entropy``, with ``lse`` appended when
@@ -114,7 +117,7 @@ def linear_logprobs(hidden, weight, targets, *, vocab_start=0, ignore_index=-100
     """
     opts = _options(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                     workspace_limit_bytes, group)
-    logp, lse, ent, mean = torch.ops.lce.logprobs(hidden, weight, targets, with_entropy=with_entropy,
+    logp, lse, ent, mean = torch.ops.lce.logprobs(hidden, weight, targets, bias, with_entropy=with_entropy,
                                                   with_mean_logit=return_mean_logit, **opts)
     out = (logp,)
     if with_entropy:
@@ -126,20 +129,20 @@ def linear_logprobs(hidden, weight, targets, *, vocab_start=0, ignore_index=-100
     return out[0] if len(out) == 1 else out
 
 
-def linear_target_set_logprobs(hidden, weight, ids, *, vocab_start=0, ignore_index=-100, temperature=1.0,
-                               softcap=0.0, with_entropy=False, return_lse=False, return_mean_logit=False,
-                               group=None, sequence_parallel=False, chunk_tokens=0,
+def linear_target_set_logprobs(hidden, weight, ids, *, bias=None, vocab_start=0, ignore_index=-100,
+                               temperature=1.0, softcap=0.0, with_entropy=False, return_lse=False,
+                               return_mean_logit=False, group=None, sequence_parallel=False, chunk_tokens=0,
                                workspace_limit_bytes=_DEFAULT_WORKSPACE):
     """Log-probs of K ids per token (a target set: e.g. a teacher's top-K), without the logits.
 
-    hidden [..., H], weight [V_local, H] as in ``linear_logprobs``; ``ids`` [..., K]
+    hidden [..., H], weight [V_local, H], bias as in ``linear_logprobs``; ``ids`` [..., K]
     (int32 / int64 global ids; the last dimension is the set, the leading ones the
     tokens). Returns ``logprobs`` [..., K] =
     ``log_softmax(logits).gather(-1, ids)`` (float32; float64 for float64 inputs), 0 where
     an id is ``ignore_index``; a token whose K ids are all ignored is an ignored token
     (entropy and mean logit 0 there, its lse real). ``with_entropy`` / ``return_lse`` /
     ``return_mean_logit`` append the per-token [...] row terms as ``linear_logprobs`` does.
-    Differentiable with respect to hidden and weight (lce's target-set backward: one
+    Differentiable with respect to hidden, weight and bias (lce's target-set backward: one
     sweep, any gradient over the K log-probs). The ids of a token should be distinct
     (``distill_loss`` requires it).
 
@@ -149,7 +152,7 @@ def linear_target_set_logprobs(hidden, weight, ids, *, vocab_start=0, ignore_ind
     """
     opts = _options(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                     workspace_limit_bytes, group)
-    logp, lse, ent, mean = torch.ops.lce.target_set_logprobs(hidden, weight, ids, with_entropy=with_entropy,
+    logp, lse, ent, mean = torch.ops.lce.target_set_logprobs(hidden, weight, ids, bias, with_entropy=with_entropy,
                                                              with_mean_logit=return_mean_logit, **opts)
     out = (logp,)
     if with_entropy:
@@ -180,38 +183,39 @@ class _FusedCrossEntropy(torch.autograd.Function):
     eps / V times -sum_v log p_v = eps (lse - mean logit))."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, class_weight, reduction, label_smoothing, opts):
+    def forward(ctx, hidden, weight, bias, targets, class_weight, reduction, label_smoothing, opts):
         rdt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
         w = _token_weights(targets, class_weight, opts["ignore_index"], rdt)
         denom = w.sum() if reduction == "mean" else torch.ones((), dtype=rdt)
         c = w / denom
         if label_smoothing == 0.0:
             grad = -c
-            logp, grad_hidden, grad_weight, _, _ = torch.ops.lce.logprobs_forward_backward(
-                hidden, weight, targets, grad, **opts)
+            logp, grad_hidden, grad_weight, _, _, grad_bias = torch.ops.lce.logprobs_forward_backward(
+                hidden, weight, targets, grad, bias=bias, **opts)
             loss = (grad * logp).sum()
         else:
             eps = float(label_smoothing)
             grad, grad_lse, grad_mean = -(1.0 - eps) * c, eps * c, -eps * c
-            logp, grad_hidden, grad_weight, lse, mean = torch.ops.lce.logprobs_forward_backward(
-                hidden, weight, targets, grad, grad_lse, grad_mean, with_mean_logit=True, **opts)
+            logp, grad_hidden, grad_weight, lse, mean, grad_bias = torch.ops.lce.logprobs_forward_backward(
+                hidden, weight, targets, grad, grad_lse, grad_mean, bias, with_mean_logit=True, **opts)
             loss = (grad * logp + grad_lse * lse + grad_mean * mean).sum()
-        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         return loss.to(hidden.dtype)
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_hidden, grad_weight = ctx.saved_tensors
+        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
         g = grad_loss.to(torch.float64 if grad_hidden.dtype == torch.float64 else torch.float32)
         if not torch.compiler.is_compiling() and bool(g == 1):
             # loss.backward(): the stored gradients as they are, no second [V, H] buffer
             # (autograd takes them over as .grad once the graph is freed).
-            dx, dw = grad_hidden, grad_weight
+            dx, dw, db = grad_hidden, grad_weight, grad_bias
         else:
             dx = (grad_hidden * g).to(grad_hidden.dtype)
             dw = (grad_weight * g).to(grad_weight.dtype)
+            db = (grad_bias * g).to(grad_bias.dtype)
         return (dx if ctx.needs_input_grad[0] else None, dw if ctx.needs_input_grad[1] else None,
-                None, None, None, None, None)
+                db if ctx.needs_input_grad[2] else None, None, None, None, None, None)
 
 
 def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weight=None, reduction="mean",
@@ -228,16 +232,15 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
     (1 - eps) (-log p_y) + eps (lse - mean logit), from lce's mean logit over the whole
     vocabulary (of the logits after ``softcap`` and ``temperature``), still one sweep.
     ``label_smoothing`` together with ``weight`` raises NotImplementedError (PyTorch then
-    weights the smoothing term by class, sum_v w_v log p_v, which lce does not compute),
-    and so does ``linear_bias``.
+    weights the smoothing term by class, sum_v w_v log p_v, which lce does not compute).
+    ``linear_bias`` [V_local] is the head's bias (``F.linear(input, linear_weight,
+    linear_bias)``, differentiable; a bias of ``-inf`` masks its column).
 
     "mean" and "sum" with gradients enabled run lce's one-sweep forward_backward
     (``fused=True``): the gradients are computed in the forward and scaled in the
     backward. Otherwise the forward alone runs, and the backward (if any) is a second
     sweep. ``group`` / ``vocab_start``: tensor parallel, as in ``linear_logprobs``.
     """
-    if linear_bias is not None:
-        raise NotImplementedError("lce_torch.linear_cross_entropy: linear_bias is not supported (lce has no bias)")
     label_smoothing = float(label_smoothing)
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"lce_torch.linear_cross_entropy: label_smoothing must be between 0.0 and 1.0, got "
@@ -252,11 +255,13 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
         ignore_index = -100
     opts = _options(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                     workspace_limit_bytes, group)
-    needs_grad = torch.is_grad_enabled() and (input.requires_grad or linear_weight.requires_grad)
+    needs_grad = torch.is_grad_enabled() and (input.requires_grad or linear_weight.requires_grad or
+                                              (linear_bias is not None and linear_bias.requires_grad))
     if reduction != "none" and fused and needs_grad:
-        return _FusedCrossEntropy.apply(input, linear_weight, target, weight, reduction, label_smoothing, opts)
+        return _FusedCrossEntropy.apply(input, linear_weight, linear_bias, target, weight, reduction, label_smoothing,
+                                        opts)
     smoothing = label_smoothing != 0.0
-    logp, lse, _, mean = torch.ops.lce.logprobs(input, linear_weight, target, with_entropy=False,
+    logp, lse, _, mean = torch.ops.lce.logprobs(input, linear_weight, target, linear_bias, with_entropy=False,
                                                 with_mean_logit=smoothing, **opts)
     w = _token_weights(target, weight, ignore_index, logp.dtype)
     if smoothing:

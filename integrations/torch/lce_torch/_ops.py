@@ -7,8 +7,8 @@ kernels. This module adds what torch.compile and autograd need:
 * ``torch.library.register_fake``: shapes and dtypes of every output, so that
   ``torch.compile(fullgraph=True)`` traces through the ops without graph breaks;
 * ``torch.library.register_autograd`` for ``lce::logprobs``: the gradient of
-  ``logprobs``, ``lse``, ``entropy`` and ``mean_logit`` with respect to ``hidden``
-  and ``weight`` is the ``lce::logprobs_backward`` op (lce's row-term backward:
+  ``logprobs``, ``lse``, ``entropy`` and ``mean_logit`` with respect to ``hidden``,
+  ``weight`` and the optional ``bias`` is the ``lce::logprobs_backward`` op (lce's row-term backward:
   dL/dlse serves a z-loss, dL/dmean_logit label smoothing); the two gradient
   ops raise a clear error if differentiated again. ``lce::target_set_logprobs``
   (ids [..., K], log-probs [..., K]) likewise, through
@@ -36,7 +36,7 @@ def _result_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _check_fake(hidden, weight, targets):
+def _check_fake(hidden, weight, targets, bias=None):
     torch._check(weight.dim() == 2, lambda: f"lce_torch: weight must be [V_local, H], got {tuple(weight.shape)}")
     torch._check(hidden.dim() >= 1, lambda: "lce_torch: hidden must be [..., H], got a scalar")
     torch._check(
@@ -47,14 +47,28 @@ def _check_fake(hidden, weight, targets):
         targets.dtype in (torch.int32, torch.int64),
         lambda: f"lce_torch: targets must be int32 or int64, got {targets.dtype}",
     )
+    if bias is not None:
+        torch._check(
+            bias.dim() == 1 and bias.shape[0] == weight.shape[0],
+            lambda: f"lce_torch: bias must be [V_local] = [{weight.shape[0]}] (one entry per row of weight), "
+            f"got {tuple(bias.shape)}",
+        )
+        torch._check(
+            bias.dtype == weight.dtype,
+            lambda: f"lce_torch: bias ({bias.dtype}) must have the dtype of weight ({weight.dtype})",
+        )
+
+
+def _bias_gradient_fake(bias, weight):
+    return torch.empty_like(bias, memory_format=torch.contiguous_format) if bias is not None else weight.new_empty((0,))
 
 
 # ---- fake kernels -----------------------------------------------------------
 
 
 @torch.library.register_fake("lce::logprobs")
-def _logprobs_fake(hidden, weight, targets, *, with_entropy=False, with_mean_logit=False, **options):
-    _check_fake(hidden, weight, targets)
+def _logprobs_fake(hidden, weight, targets, bias=None, *, with_entropy=False, with_mean_logit=False, **options):
+    _check_fake(hidden, weight, targets, bias)
     rdt = _result_dtype(hidden.dtype)
     logp = targets.new_empty(targets.shape, dtype=rdt)
     lse = targets.new_empty(targets.shape, dtype=rdt)
@@ -65,18 +79,19 @@ def _logprobs_fake(hidden, weight, targets, *, with_entropy=False, with_mean_log
 
 @torch.library.register_fake("lce::logprobs_backward")
 def _logprobs_backward_fake(grad_logprobs, grad_entropy, hidden, weight, targets, lse, grad_lse=None,
-                            grad_mean_logit=None, **options):
-    _check_fake(hidden, weight, targets)
+                            grad_mean_logit=None, bias=None, **options):
+    _check_fake(hidden, weight, targets, bias)
     return (
         torch.empty_like(hidden, memory_format=torch.contiguous_format),
         torch.empty_like(weight, memory_format=torch.contiguous_format),
+        _bias_gradient_fake(bias, weight),
     )
 
 
 @torch.library.register_fake("lce::logprobs_forward_backward")
-def _logprobs_forward_backward_fake(hidden, weight, targets, grad_logprobs, grad_lse=None, grad_mean_logit=None, *,
-                                    with_mean_logit=False, **options):
-    _check_fake(hidden, weight, targets)
+def _logprobs_forward_backward_fake(hidden, weight, targets, grad_logprobs, grad_lse=None, grad_mean_logit=None,
+                                    bias=None, *, with_mean_logit=False, **options):
+    _check_fake(hidden, weight, targets, bias)
     rdt = _result_dtype(hidden.dtype)
     return (
         targets.new_empty(targets.shape, dtype=rdt),
@@ -84,12 +99,14 @@ def _logprobs_forward_backward_fake(hidden, weight, targets, grad_logprobs, grad
         torch.empty_like(weight, memory_format=torch.contiguous_format),
         targets.new_empty(targets.shape, dtype=rdt),
         targets.new_empty(targets.shape if with_mean_logit else (0,), dtype=rdt),
+        _bias_gradient_fake(bias, weight),
     )
 
 
 @torch.library.register_fake("lce::target_set_logprobs")
-def _target_set_logprobs_fake(hidden, weight, ids, *, with_entropy=False, with_mean_logit=False, **options):
-    _check_fake(hidden, weight, ids)
+def _target_set_logprobs_fake(hidden, weight, ids, bias=None, *, with_entropy=False, with_mean_logit=False,
+                              **options):
+    _check_fake(hidden, weight, ids, bias)
     torch._check(ids.dim() >= 1, lambda: "lce_torch: ids must be [..., K] (K ids per token), got a scalar")
     rdt = _result_dtype(hidden.dtype)
     rows = ids.shape[:-1]
@@ -102,11 +119,12 @@ def _target_set_logprobs_fake(hidden, weight, ids, *, with_entropy=False, with_m
 
 @torch.library.register_fake("lce::target_set_logprobs_backward")
 def _target_set_logprobs_backward_fake(grad_logprobs, grad_entropy, hidden, weight, ids, lse, grad_lse=None,
-                                       grad_mean_logit=None, **options):
-    _check_fake(hidden, weight, ids)
+                                       grad_mean_logit=None, bias=None, **options):
+    _check_fake(hidden, weight, ids, bias)
     return (
         torch.empty_like(hidden, memory_format=torch.contiguous_format),
         torch.empty_like(weight, memory_format=torch.contiguous_format),
+        _bias_gradient_fake(bias, weight),
     )
 
 
@@ -114,9 +132,10 @@ def _target_set_logprobs_backward_fake(grad_logprobs, grad_entropy, hidden, weig
 
 
 def _logprobs_setup_context(ctx, inputs, keyword_only_inputs, output):
-    hidden, weight, targets = inputs
+    hidden, weight, targets = inputs[:3]
+    bias = inputs[3] if len(inputs) > 3 else None
     _, lse, entropy, mean_logit = output
-    ctx.save_for_backward(hidden, weight, targets, lse)
+    ctx.save_for_backward(hidden, weight, targets, lse, bias)
     ctx.with_entropy = bool(keyword_only_inputs.get("with_entropy", False))
     ctx.with_mean_logit = bool(keyword_only_inputs.get("with_mean_logit", False))
     ctx.options = {k: v for k, v in keyword_only_inputs.items() if k in OPTION_NAMES}
@@ -129,24 +148,34 @@ def _logprobs_setup_context(ctx, inputs, keyword_only_inputs, output):
     ctx.set_materialize_grads(False)
 
 
+def _input_gradients(ctx, grad_hidden, grad_weight, grad_bias):
+    # One per input of the op: hidden, weight, targets (none) and, where passed, bias.
+    wanted = ctx.needs_input_grad
+    out = (grad_hidden if wanted[0] else None, grad_weight if wanted[1] else None, None)
+    if len(wanted) > 3:
+        out += (grad_bias if wanted[3] else None,)
+    return out
+
+
+def _wants_gradients(ctx):
+    return ctx.needs_input_grad[0] or ctx.needs_input_grad[1] or (len(ctx.needs_input_grad) > 3 and
+                                                                  ctx.needs_input_grad[3])
+
+
 def _logprobs_backward(ctx, grad_logprobs, grad_lse, grad_entropy, grad_mean_logit):
-    hidden, weight, targets, lse = ctx.saved_tensors
-    if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
-        return None, None, None
+    hidden, weight, targets, lse, bias = ctx.saved_tensors
+    if not _wants_gradients(ctx):
+        return (None,) * len(ctx.needs_input_grad)
     if grad_logprobs is None:
         grad_logprobs = torch.zeros_like(lse)
     if not ctx.with_entropy:
         grad_entropy = None
     if not ctx.with_mean_logit:
         grad_mean_logit = None
-    grad_hidden, grad_weight = _ops.logprobs_backward(
-        grad_logprobs, grad_entropy, hidden, weight, targets, lse, grad_lse, grad_mean_logit, **ctx.options
+    grads = _ops.logprobs_backward(
+        grad_logprobs, grad_entropy, hidden, weight, targets, lse, grad_lse, grad_mean_logit, bias, **ctx.options
     )
-    return (
-        grad_hidden if ctx.needs_input_grad[0] else None,
-        grad_weight if ctx.needs_input_grad[1] else None,
-        None,
-    )
+    return _input_gradients(ctx, *grads)
 
 
 torch.library.register_autograd("lce::logprobs", _logprobs_backward, setup_context=_logprobs_setup_context)
@@ -154,26 +183,22 @@ torch.library.register_autograd("lce::logprobs", _logprobs_backward, setup_conte
 
 def _target_set_logprobs_backward(ctx, grad_logprobs, grad_lse, grad_entropy, grad_mean_logit):
     # As _logprobs_backward, with the target-set backward (grad_logprobs [..., K]).
-    hidden, weight, ids, lse = ctx.saved_tensors
-    if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
-        return None, None, None
+    hidden, weight, ids, lse, bias = ctx.saved_tensors
+    if not _wants_gradients(ctx):
+        return (None,) * len(ctx.needs_input_grad)
     if grad_logprobs is None:
         grad_logprobs = lse.new_zeros(ids.shape)
     if not ctx.with_entropy:
         grad_entropy = None
     if not ctx.with_mean_logit:
         grad_mean_logit = None
-    grad_hidden, grad_weight = _ops.target_set_logprobs_backward(
-        grad_logprobs, grad_entropy, hidden, weight, ids, lse, grad_lse, grad_mean_logit, **ctx.options
+    grads = _ops.target_set_logprobs_backward(
+        grad_logprobs, grad_entropy, hidden, weight, ids, lse, grad_lse, grad_mean_logit, bias, **ctx.options
     )
-    return (
-        grad_hidden if ctx.needs_input_grad[0] else None,
-        grad_weight if ctx.needs_input_grad[1] else None,
-        None,
-    )
+    return _input_gradients(ctx, *grads)
 
 
-# The context is the same as lce::logprobs's (inputs hidden, weight, ids; output lse).
+# The context is the same as lce::logprobs's (inputs hidden, weight, ids, bias?; output lse).
 torch.library.register_autograd("lce::target_set_logprobs", _target_set_logprobs_backward,
                                 setup_context=_logprobs_setup_context)
 

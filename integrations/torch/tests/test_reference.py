@@ -118,8 +118,6 @@ def test_linear_cross_entropy_unsupported_arguments():
         lce_torch.linear_cross_entropy(h, w, y, label_smoothing=0.1, weight=torch.ones(11))
     with pytest.raises(ValueError, match="label_smoothing must be between"):
         lce_torch.linear_cross_entropy(h, w, y, label_smoothing=1.5)
-    with pytest.raises(NotImplementedError, match="linear_bias"):
-        lce_torch.linear_cross_entropy(h, w, y, linear_bias=torch.zeros(11))
     with pytest.raises(ValueError, match="reduction"):
         lce_torch.linear_cross_entropy(h, w, y, reduction="avg")
 
