@@ -22,6 +22,12 @@ def on_cuda(*tensors):
     return [t.cuda() for t in tensors]
 
 
+def leaf_on(device, t):
+    """A fresh leaf copy of t on device (t.to("cpu") would be t itself: its .grad would
+    gather both runs', and the CUDA copy of it would be no leaf, its .grad None)."""
+    return t.detach().to(device, copy=True).requires_grad_(True)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("chunk_tokens", [0, 7])
 @pytest.mark.parametrize("temperature,softcap", [(1.0, 0.0), (0.8, 4.0)])
@@ -54,8 +60,7 @@ def test_cross_entropy_matches_the_cpu_op(dtype):
     h, w, y = make(64, 32, 3001, dtype, ignore=(5,))
     results = []
     for device in ("cpu", "cuda"):
-        hd = h.to(device).requires_grad_(True)
-        wd = w.to(device).requires_grad_(True)
+        hd, wd = leaf_on(device, h), leaf_on(device, w)
         loss = lce_torch.linear_cross_entropy(hd, wd, y.to(device))
         loss.backward()
         results.append((loss.double().cpu(), hd.grad.double().cpu(), wd.grad.double().cpu()))
@@ -63,6 +68,29 @@ def test_cross_entropy_matches_the_cpu_op(dtype):
     torch.testing.assert_close(l1, l0, **TOL[dtype])
     torch.testing.assert_close(gh1, gh0, **GRAD_TOL[dtype])
     torch.testing.assert_close(gw1, gw0, **GRAD_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_bias_with_masked_columns_matches_the_cpu_op(dtype):
+    """A head with a bias (some of it -inf: masked columns) on CUDA against the CPU op:
+    log-probs, entropy and the gradients of hidden, weight and bias, fused loss included."""
+    h, w, y = make(40, 32, 3001, dtype, ignore=(5,), scale=2.0)
+    b = (torch.randn(3001, generator=torch.Generator().manual_seed(4), dtype=torch.float64) * 2).to(dtype)
+    b[2800:] = float("-inf")
+    y = torch.where(y >= 2800, y - 2800, y)
+    results = []
+    for device in ("cpu", "cuda"):
+        hd, wd, bd = (leaf_on(device, t) for t in (h, w, b))
+        logp, ent = lce_torch.linear_logprobs(hd, wd, y.to(device), bias=bd, with_entropy=True)
+        (logp.double().sum() - 0.3 * ent.double().sum()
+         + lce_torch.linear_cross_entropy(hd, wd, y.to(device), linear_bias=bd).double()).backward()
+        results.append([t.detach().double().cpu() for t in (logp, ent, hd.grad, wd.grad, bd.grad)])
+    cpu, gpu = results
+    for k, what in enumerate(("logprobs", "entropy", "dX", "dW", "db")):
+        tol = TOL[dtype] if k < 2 else GRAD_TOL[dtype]
+        assert torch.isfinite(gpu[k]).all(), what
+        torch.testing.assert_close(gpu[k], cpu[k], **tol, msg=lambda m: f"{what}: {m}")
+    assert torch.equal(gpu[4][2800:], torch.zeros(201, dtype=torch.float64))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -81,7 +109,7 @@ def test_losses_of_cuda_logprobs_run_through_the_host():
     h, w, y = make(40, 16, 301, torch.float32, ignore=(3,))
     results = []
     for device in ("cpu", "cuda"):
-        hd = h.to(device).requires_grad_(True)
+        hd = leaf_on(device, h)
         logp = lce_torch.linear_logprobs(hd, w.to(device), y.to(device))
         out = lce_torch.sft_loss(logp, y.to(device), torch.tensor([0, 15, 40], device=device))
         assert out.loss.device == hd.device
