@@ -142,7 +142,9 @@ def test_a_side_stream_orders_the_work_on_it():
     with torch.cuda.stream(side):
         got = lce_torch.linear_logprobs(h, w, y)
     torch.cuda.current_stream().wait_stream(side)
-    torch.testing.assert_close(got, want, atol=0, rtol=0)
+    # Work out of order would give garbage; the side stream has its own operator and cuBLAS
+    # handle, which need not pick the same GEMM kernels (so not bit for bit).
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_refused_on_cuda():
