@@ -58,7 +58,8 @@
 // vocabulary order), filled differently: dz in its own 2-byte block instead
 // of the host's weight-widening slots and dW tiles, and vocabulary-order
 // blocks bounded by the budget alone (the host's by 16 MiB), and chunks
-// too (the host's stop at 512 rows, enough_chunk_rows in core/backend.hpp).
+// too (the host's stop at 512 rows, enough_chunk_rows in core/backend.hpp,
+// and its eighth of a longer call down to 192 rows, min_efficient_chunk_rows).
 
 #include <lce/chunked_hidden_to_logprobs.hpp>
 #include <lce/core/config.hpp>

@@ -235,6 +235,8 @@ TEST_CASE_TEMPLATE("cuda: cuda::std::mdspan device views give the results of mat
   const auto dGW = upload(make_matrix<float>(pre, p.v, p.h).ptr(), p.v * p.h);
   const device_buffer dLP(p.n * sizeof(O)), dLSE(p.n * sizeof(O)), dENT(p.n * sizeof(O)),
       dGH(p.n * p.h * sizeof(float));
+  // cudaMemcpy is ordered on the legacy stream only; the op runs on a non-blocking one.
+  LCE_T_CUDA(cudaDeviceSynchronize());
 
   using strided = cuda::std::mdspan<const T, ext2, cuda::std::layout_stride>;
   const strided Xs(dX.template as<const T>(),

@@ -106,7 +106,7 @@ TEST_CASE("budget_chunk stops at the backend's enough_chunk_rows: the host's 512
   CHECK(host_op.chunk_tokens(16384, h, v) == 512);
   CHECK(host_op.chunk_tokens(512, h, v) == 512);
   CHECK(host_op.chunk_tokens(300, h, v) == 300);
-  CHECK(host_op.chunk_tokens(1100, h, v) == 367);  // evened: three chunks, not 512 + 512 + 76
+  CHECK(host_op.chunk_tokens(1100, h, v) == 184);  // an eighth, at least 192 rows, evened: six of 183-184
   // Under a budget smaller than 512 rows, the budget decides as before.
   lce::options tight = make_options(1.0f, 0.0f, 0);
   tight.workspace_limit_bytes = std::size_t{1} << 20;
@@ -117,6 +117,35 @@ TEST_CASE("budget_chunk stops at the backend's enough_chunk_rows: the host's 512
   CHECK(host_op.workspace_bytes(16384, h, v) < std::size_t{512 + 64} * v * sizeof(float) + (std::size_t{2} << 20));
   // An explicit chunk_tokens is taken as it is, above the host's 512 too.
   CHECK(make_op<float>(make_options(1.0f, 0.0f, 2048)).chunk_tokens(16384, h, v) == 2048);
+}
+
+TEST_CASE("budget_chunk: a call longer than 512 tokens holds at most an eighth of its logits, down to 192 rows") {
+  const std::int64_t h = 256, v = 32000;
+  static_assert(lce::min_efficient_chunk_rows<lce::host>() == 192);
+  static_assert(lce::min_efficient_chunk_rows<lce_test::device_shaped_backend<>>() == INT64_MAX);
+  const auto host_op = make_op<float>(make_options(1.0f, 0.0f, 0));
+  // N, then the chunk: N / 8 from N = 1,536 on (evened), 192-row chunks evened below that.
+  const std::int64_t expected[][2] = {{512, 512},   {513, 171},   {1024, 171},  {1536, 192},
+                                      {2048, 256},  {4096, 512},  {4097, 456},  {65536, 512}};
+  for (const auto& [n, chunk] : expected) {
+    CAPTURE(n);
+    CHECK(host_op.chunk_tokens(n, h, v) == chunk);
+    // What the call holds against the [N, V] fp32 logits it does not materialise.
+    const double logits = static_cast<double>(n) * v * sizeof(float);
+    const double held = static_cast<double>(host_op.workspace_bytes(n, h, v));
+    if (n >= 1536) CHECK(held <= logits / 7.5);
+    if (n > 512) CHECK(held <= logits / 2.9);
+  }
+  // A GPU-shaped backend has no share: the budget alone decides.
+  const lce::ChunkedHiddenToLogprobs<lce::comm::single, lce::bfloat16, lce::budget_chunk,
+                                     lce_test::device_shaped_backend<>>
+      device_op(lce::comm::single{}, make_options(1.0f, 0.0f, 0), lce_test::device_shaped_backend<>{});
+  CHECK(device_op.chunk_tokens(1024, h, v) == 1024);
+  // An explicit chunk_tokens, or a budget under the share, is taken as before.
+  CHECK(make_op<float>(make_options(1.0f, 0.0f, 1024)).chunk_tokens(4096, h, v) == 1024);
+  lce::options tight = make_options(1.0f, 0.0f, 0);
+  tight.workspace_limit_bytes = std::size_t{4} << 20;
+  CHECK(make_op<float>(tight).chunk_tokens(1024, h, v) <= 32);
 }
 
 TEST_CASE_TEMPLATE("outputs are bitwise identical across runs and thread counts", T, float, double, lce::bfloat16,

@@ -134,6 +134,22 @@ constexpr std::int64_t enough_chunk_rows() {
   }
 }
 
+// The chunk rows below which this backend's GEMMs lose speed: budget_chunk
+// takes an eighth of a long call's tokens per chunk, never fewer than these
+// (chunk_request::min_efficient_rows). A backend that leaves it out keeps its
+// enough_chunk_rows for every call longer than them (no share).
+template <class Backend>
+constexpr std::int64_t min_efficient_chunk_rows() {
+  if constexpr (requires { Backend::min_efficient_chunk_rows; }) {
+    static_assert(Backend::min_efficient_chunk_rows > 0 &&
+                      Backend::min_efficient_chunk_rows <= enough_chunk_rows<Backend>(),
+                  "a backend's min_efficient_chunk_rows must be at least one row and at most its enough_chunk_rows");
+    return Backend::min_efficient_chunk_rows;
+  } else {
+    return INT64_MAX;
+  }
+}
+
 // Whether the gradient pass writes each row's dz, in the GEMM operand type,
 // over the start of that row's own logits (the host: a row is read before it
 // is overwritten, one row at a time), so that no separate operand block is

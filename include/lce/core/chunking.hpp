@@ -12,6 +12,11 @@
 //                         its answer is the most rows a chunk may take: the tokens
 //                         go in the fewest such chunks, as even as rows allow
 //                         (1,100 tokens under a 1,024-row answer: two of 550)
+// budget_chunk answers the largest chunk within the budget, at most the
+// backend's enough rows, and, for a call longer than those, at most an
+// eighth of its tokens unless that would starve the GEMMs (the backend's
+// min_efficient rows): a call of N tokens then never holds more than an
+// eighth of the logits it would materialise, from N = 8 x min_efficient up.
 // With several ranks every rank proposes its chunk and all use the smallest,
 // so ranks may differ in budget or threads. The chunk is also capped so that
 // each per-chunk message fits a communicator's int count (MPI). A fixed
@@ -38,6 +43,10 @@ struct chunk_request {
   // The backend's rows from which a bigger chunk buys little but memory
   // (enough_chunk_rows in core/backend.hpp); INT64_MAX: no such point.
   std::int64_t enough_rows = INT64_MAX;
+  // The backend's rows below which a chunk's GEMMs lose speed
+  // (min_efficient_chunk_rows in core/backend.hpp); at least enough_rows:
+  // no share of a call is worth that speed.
+  std::int64_t min_efficient_rows = INT64_MAX;
 };
 
 template <class P>
@@ -53,23 +62,33 @@ struct fixed_chunk {
   constexpr std::int64_t tokens_per_chunk(const chunk_request&) const { return Tokens; }
 };
 
-// The default: the largest chunk whose workspace fits `workspace_limit_bytes`
-// (at least one row, whatever the limit), and no more than the backend's
-// enough_rows: past them it would hold memory for little speed.
-struct budget_chunk {
-  constexpr std::int64_t tokens_per_chunk(const chunk_request& request) const {
-    const std::size_t per_token = std::max<std::size_t>(request.bytes_per_token, 1);
-    if (request.workspace_limit_bytes <= request.fixed_bytes) return 1;
-    const std::size_t fits = (request.workspace_limit_bytes - request.fixed_bytes) / per_token;
-    const std::int64_t rows = static_cast<std::int64_t>(std::min<std::size_t>(fits, INT64_MAX));
-    return std::max<std::int64_t>(1, std::min(rows, request.enough_rows));
-  }
-};
-
 namespace detail {
 // Pieces of b that hold a (b > 0): chunks of rows, tiles of a GEMM.
 constexpr std::int64_t ceil_div(std::int64_t a, std::int64_t b) { return a / b + (a % b != 0); }
 }  // namespace detail
+
+// The default: the largest chunk whose workspace fits `workspace_limit_bytes`
+// (at least one row, whatever the limit), and no more than the backend's
+// enough_rows: past them it would hold memory for little speed. A call longer
+// than enough_rows takes at most 1/call_share of its tokens per chunk, but
+// never fewer than min_efficient_rows for that: the memory saved over
+// materialising the logits is then call_share-fold at least, from
+// call_share x min_efficient_rows tokens on, for a few percent of speed
+// (the host's numbers are in host.hpp). A call of at most enough_rows keeps
+// one chunk: the fewest GEMMs, and for a 2-byte grad_weight no accumulator.
+struct budget_chunk {
+  static constexpr std::int64_t call_share = 8;
+
+  constexpr std::int64_t tokens_per_chunk(const chunk_request& request) const {
+    const std::size_t per_token = std::max<std::size_t>(request.bytes_per_token, 1);
+    if (request.workspace_limit_bytes <= request.fixed_bytes) return 1;
+    const std::size_t fits = (request.workspace_limit_bytes - request.fixed_bytes) / per_token;
+    std::int64_t rows = std::min(static_cast<std::int64_t>(std::min<std::size_t>(fits, INT64_MAX)), request.enough_rows);
+    if (request.n_tokens > request.enough_rows)
+      rows = std::min(rows, std::max(request.min_efficient_rows, detail::ceil_div(request.n_tokens, call_share)));
+    return std::max<std::int64_t>(1, rows);
+  }
+};
 
 // Rows per chunk when `tokens` rows go in chunks of at most `most_rows`: the
 // fewest such chunks, as even as rows allow, ceil(tokens / ceil(tokens /
@@ -95,5 +114,16 @@ static_assert(budget_chunk{}.tokens_per_chunk({.bytes_per_token = 100, .workspac
                   {.bytes_per_token = 100, .workspace_limit_bytes = 100'000, .enough_rows = 512}) == 512 &&
               budget_chunk{}.tokens_per_chunk({.bytes_per_token = 100, .workspace_limit_bytes = 10'000,
                                                .enough_rows = 512}) == 100);
+// A call's share: 1/8 of 4,096 tokens is 512; of 2,048, 256; of 1,024, the 192 efficient rows;
+// a call within the enough rows keeps them; without min_efficient_rows, no share.
+static_assert([] {
+  chunk_request r{.bytes_per_token = 100, .workspace_limit_bytes = std::size_t{1} << 30, .enough_rows = 512,
+                  .min_efficient_rows = 192};
+  const auto rows = [&](std::int64_t n) { return r.n_tokens = n, budget_chunk{}.tokens_per_chunk(r); };
+  const bool shared = rows(65536) == 512 && rows(4096) == 512 && rows(2048) == 256 && rows(1024) == 192 &&
+                      rows(513) == 192 && rows(512) == 512 && rows(300) == 512;
+  r.min_efficient_rows = INT64_MAX;
+  return shared && rows(1024) == 512;
+}());
 
 LCE_END_NAMESPACE

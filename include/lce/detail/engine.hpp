@@ -579,6 +579,7 @@ class engine {
       request.fixed_bytes = saturated(workspace_plan<Compute>::fixed_bytes(shape));
       request.workspace_limit_bytes = options_.workspace_limit_bytes;
       request.enough_rows = enough_chunk_rows<Backend>();
+      request.min_efficient_rows = min_efficient_chunk_rows<Backend>();
       rows = std::max<std::int64_t>(1, static_cast<std::int64_t>(Chunk{}.tokens_per_chunk(request)));
       evened = true;
     }

@@ -135,6 +135,12 @@ class basic_host {
   // 2.48-2.65 for chunks of 2,048 (four rounds): about 6% for 3 more passes
   // over dW, for 64.5 MiB of workspace instead of 256.
   static constexpr std::int64_t enough_chunk_rows = 512;
+  // A long call takes an eighth of its tokens per chunk down to these rows
+  // (budget_chunk): at N 1,024, H 1,024, V 32,000, float, 2 threads, on
+  // OpenBLAS (Zen 3; lce_demo --chunk, best of 3) chunks of 512 / 256 / 192
+  // / 128 rows took 1.18 / 1.20 / 1.24 / 1.32 s against 1.26 s for the
+  // materialised logits: 192 rows cost 5% for a third of the workspace.
+  static constexpr std::int64_t min_efficient_chunk_rows = 192;
 
   // Large blocks get transparent huge pages where the kernel offers them
   // (detail/huge_pages.hpp), unless this backend was made with scratch_pages::base.
