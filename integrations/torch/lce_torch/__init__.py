@@ -7,7 +7,8 @@
 
 Neither materialises the [tokens, vocab] logits: lce computes them a chunk of
 tokens at a time (at most ``workspace_limit_bytes`` of scratch, 256 MiB by
-default, and on the CPU at most 512 tokens a chunk, which run as fast as more).
+default, and on the CPU at most 512 tokens a chunk, which run as fast as more; a
+call longer than that takes at most an eighth of its tokens a chunk, down to 192).
 Tensor parallel (vocabulary-sharded weight): pass ``group=`` (a
 torch.distributed ProcessGroup: gloo on the CPU, NCCL or gloo on CUDA) and this rank's
 ``vocab_start``.
