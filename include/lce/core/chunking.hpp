@@ -44,8 +44,8 @@ struct chunk_request {
   // (enough_chunk_rows in core/backend.hpp); INT64_MAX: no such point.
   std::int64_t enough_rows = INT64_MAX;
   // The backend's rows below which a chunk's GEMMs lose speed
-  // (min_efficient_chunk_rows in core/backend.hpp); at least enough_rows:
-  // no share of a call is worth that speed.
+  // (min_efficient_chunk_rows in core/backend.hpp); INT64_MAX, or anything
+  // from enough_rows up: no share, a long call keeps enough_rows.
   std::int64_t min_efficient_rows = INT64_MAX;
 };
 
