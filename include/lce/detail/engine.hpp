@@ -590,7 +590,10 @@ class engine {
     const std::int64_t share = shape.sequence_parallel ? shape.ranks : 1;
     const std::int64_t local_tokens = n_tokens / share;
     std::int64_t local_chunk = std::clamp<std::int64_t>(rows / share, 1, std::max<std::int64_t>(local_tokens, 1));
-    if (evened) local_chunk = evened_chunk_rows(local_tokens, local_chunk);  // core/chunking.hpp
+    if (evened) {  // core/chunking.hpp; a backend without min_efficient_chunk_rows has no floor
+      const std::int64_t least = std::max<std::int64_t>(1, min_efficient_chunk_rows<Backend>() / share);
+      local_chunk = evened_chunk_rows(local_tokens, local_chunk, least);
+    }
     return workspace_plan<Compute>::make(shape, local_chunk);
   }
 

@@ -140,6 +140,9 @@ class basic_host {
   // OpenBLAS (Zen 3; lce_demo --chunk, best of 3) chunks of 512 / 256 / 192
   // / 128 rows took 1.18 / 1.20 / 1.24 / 1.32 s against 1.26 s for the
   // materialised logits: 192 rows cost 5% for a third of the workspace.
+  // Through lce_torch on MKL's sgemm (Xeon, 2 threads) chunks of 192 took
+  // 0.71 s against plain's 0.75 s, six evened ones of 171 0.82 s: evening
+  // stops at these rows too (evened_chunk_rows).
   static constexpr std::int64_t min_efficient_chunk_rows = 192;
 
   // Large blocks get transparent huge pages where the kernel offers them
