@@ -215,6 +215,7 @@ template <class T, class Chunk = lce::budget_chunk>
 class device_op {
  public:
   using op_type = lce::ChunkedHiddenToLogprobs<lce::comm::single, T, Chunk, lce::cuda_backend>;
+  using backend_type = lce::cuda_backend;
 
   explicit device_op(const lce::options& opt, lce::cuda_backend_options backend_options = {})
       : op_(lce::comm::single{}, opt, lce::cuda_backend{test_stream(), backend_options}) {}

@@ -3,6 +3,10 @@
 // results for every row term, a soft-cap and temperature, a bias, and
 // bitwise the same for any thread count.
 #include "cases/vocabulary_order_cases.hpp"
+#include "support/device_shaped_backend.hpp"
+
+#include <cstdint>
+#include <utility>
 
 using namespace lce_test;
 using namespace lce_test::cases::vocabulary_order;
@@ -140,6 +144,36 @@ void check_bias_gradients(tiling l) {
 
 TEST_CASE_TEMPLATE("vocabulary order: an LM head with a bias (each tile's columns of db)", T, lce::bfloat16, double) {
   for (const tiling l : tilings) check_bias_gradients<T>(l);
+}
+
+// Where all of a call's tokens go over each tile, the tile takes at most a
+// 32nd of the shard (the engine's vocabulary_share), never fewer columns than
+// the host's min_efficient_vocabulary_tile: at N = 520, 1,024 columns of a
+// 32,000-row shard, where 16 MiB of logits would hold 8,064, 1,248 of a
+// 40,000-row one and 2,048 of 65,536. What a forward_backward allocates is
+// that block, the [N, H] sum of dX and a little scratch (H = 8).
+TEST_CASE("vocabulary order: a tile of every token holds a 32nd of the shard, down to 1,024 columns") {
+  static_assert(lce::min_efficient_vocabulary_tile<lce::host>() == 1024);
+  static_assert(lce::min_efficient_vocabulary_tile<lce_test::device_shaped_backend<>>() == INT64_MAX);
+  using B = lce::bfloat16;
+  constexpr std::int64_t n = 520, h = 8;
+  const auto block = [](std::int64_t tile) { return static_cast<std::size_t>(n * tile) * sizeof(float); };
+  constexpr std::pair<std::int64_t, std::int64_t> shard_and_tile[] = {{32000, 1024}, {40000, 1248}, {65536, 2048}};
+  for (const auto& [vocab, tile] : shard_and_tile) {
+    CAPTURE(vocab);
+    const problem p = make_problem(n, h, vocab, 97, rounder_for<B>(), 1.0, 0.3, 0.1);
+    const auto X = make_matrix<B>(p.x, n, h);
+    const auto W = make_matrix<B>(p.w, vocab, h);
+    const auto Y = make_targets<std::int64_t>(p.y);
+    vector_buf<float> G(random_vector(n, 98, -1.0, 1.0, rounder_for<float>())), lp(n);
+    matrix_buf<B> gh(n, h), gw(vocab, h);
+    auto op = make_op<B>(lce::options{}, 2);
+    REQUIRE(op.chunk_tokens(n, h, vocab) < n);  // the token order would take chunks and the [V, H] accumulator
+    op.forward_backward(X.cview(), W.cview(), Y.cview(), G.cview(), lp.view(), gh.view(), gw.view());
+    const std::size_t held = op.held_workspace_bytes();
+    CHECK(held >= block(tile));
+    CHECK(held < block(tile) + (std::size_t{1} << 20));
+  }
 }
 
 // A float grad_weight has no accumulator to save (dW sums into it chunk by

@@ -150,6 +150,22 @@ constexpr std::int64_t min_efficient_chunk_rows() {
   }
 }
 
+// The vocabulary tile columns below which this backend's GEMMs lose speed:
+// where the vocabulary order (adds_grad_hidden) holds all of a call's tokens at
+// once, a tile takes at most a 32nd of the shard's columns, never fewer than
+// these. A backend that leaves it out takes the widest tile its budget and
+// vocabulary_block_bytes allow (no share).
+template <class Backend>
+constexpr std::int64_t min_efficient_vocabulary_tile() {
+  if constexpr (requires { Backend::min_efficient_vocabulary_tile; }) {
+    static_assert(Backend::min_efficient_vocabulary_tile > 0,
+                  "a backend's min_efficient_vocabulary_tile must be at least one vocabulary row");
+    return Backend::min_efficient_vocabulary_tile;
+  } else {
+    return INT64_MAX;
+  }
+}
+
 // Whether the gradient pass writes each row's dz, in the GEMM operand type,
 // over the start of that row's own logits (the host: a row is read before it
 // is overwritten, one row at a time), so that no separate operand block is

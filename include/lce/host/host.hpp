@@ -144,6 +144,13 @@ class basic_host {
   // 0.71 s against plain's 0.75 s, six evened ones of 171 0.82 s: evening
   // stops at these rows too (evened_chunk_rows).
   static constexpr std::int64_t min_efficient_chunk_rows = 192;
+  // The vocabulary order's tiles (a 32nd of the shard) stop narrowing here: at
+  // N 1,024, H 1,024, bf16 through lce_torch on OpenBLAS (Zen 3, sgemm on
+  // widened tiles, 2 threads, one process, interleaved), 1,024-column tiles
+  // took the time of 4,000-column ones (1.79-1.89 s against 1.93-1.94 s at
+  // V 32,000; 7.41 s against 7.38 s at V 128,256) in half the memory, and
+  // 512-column ones 3-8% more for a quarter less again.
+  static constexpr std::int64_t min_efficient_vocabulary_tile = 1024;
 
   // Large blocks get transparent huge pages where the kernel offers them
   // (detail/huge_pages.hpp), unless this backend was made with scratch_pages::base.
@@ -568,12 +575,17 @@ class basic_host {
   // cache (for_widened_tiles), so there they are half as tall (about 32 tiles,
   // 512 to 2048 rows) and each stays within about 2^20 fp32 elements (but at
   // least 256 rows): the two slots together as large as one tile before.
+  // They are also at most a quarter of the rows at hand (down to 256): the
+  // vocabulary order's 1,024-row tiles widen 256 rows at a time, which took
+  // the same time as 512 (N 1,024, V 32,000, OpenBLAS on Zen 3) in 2 MiB
+  // less.
   template <class T>
   static constexpr std::int64_t vocab_tile_rows(std::int64_t hidden, std::int64_t vocab_local) {
     std::int64_t rows = 0;
     if constexpr (half_precision<T>) {
       rows = std::clamp<std::int64_t>(detail::ceil_div(vocab_local, 32), 512, 2048);
       rows = std::min(rows, std::max<std::int64_t>(256, (std::int64_t{1} << 20) / std::max<std::int64_t>(hidden, 1)));
+      rows = std::min(rows, std::max<std::int64_t>(256, vocab_local / 4));
     } else {
       rows = std::clamp<std::int64_t>(detail::ceil_div(vocab_local, 16), 1024, 4096);
     }
