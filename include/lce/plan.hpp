@@ -57,7 +57,8 @@
 // holds the same budget and weighs the same choices (chunks, accumulator,
 // vocabulary order), filled differently: dz in its own 2-byte block instead
 // of the host's weight-widening slots and dW tiles, and vocabulary-order
-// blocks bounded by the budget alone (the host's by 16 MiB), and chunks
+// blocks bounded by the budget alone (the host's by 16 MiB, and to a 32nd
+// of the shard down to 1,024 rows, min_efficient_vocabulary_tile), and chunks
 // too (the host's stop at 512 rows, enough_chunk_rows in core/backend.hpp,
 // and its eighth of a longer call down to 192 rows, min_efficient_chunk_rows).
 
