@@ -199,32 +199,24 @@ class basic_host {
   void logits(matrix_view<const O> x, matrix_view<const T> w, A alpha, matrix_view<A> out, void* weight_block) {
     [[maybe_unused]] const provider_scope scope;
     if constexpr (weight_as_stored<O, T>) {
-      const auto block = [&](std::int64_t r0, std::int64_t rows, std::int64_t c0, std::int64_t cols) {
+      // As many tiles as the widened path's logits (half of dX's target). Vocabulary
+      // tiles alone re-read the tokens' rows least (the 4,008-row tiles at V 128,256
+      // took 5-7% longer as 2 x 4 than as 1 x 4), but a narrow weight (the
+      // vocabulary order's 1,024-row tile, a small shard) is tiled over tokens too,
+      // or its one GEMM would keep one thread busy: bf16 through lce_torch on AMX
+      // (Xeon, 2 threads, N 1,024, V 32,000) took 0.24-0.25 s with one GEMM per
+      // 1,024-row tile, 0.19 s as 2 x 2 (4,000-row tiles: 0.18 s, in 2.8x the memory).
+      constexpr std::int64_t target = std::max<std::int64_t>(1, tile_target / 2);
+      constexpr std::int64_t least = std::same_as<O, bfloat16> ? output_tiling::bf16_operand_floor : output_tiling::min_rows;
+      const std::int64_t tile = vocab_tile_rows<compute_t<T>>(w.cols, w.rows);
+      const output_tiling tiles = detail::ceil_div(w.rows, tile) >= target
+                                      ? output_tiling::in_columns_of(x.rows, w.rows, tile)
+                                      : output_tiling(x.rows, w.rows, target, least, least);
+      for_gemm_tiles(tiles.count(), [&](std::int64_t t) {
+        const auto [r0, rows, c0, cols] = tiles.tile(t);
         operand_gemm(transpose::no, transpose::yes, rows, cols, x.cols, alpha, x.row(r0), x.ld, w.row(c0), w.ld, A(0),
                      out.row(r0) + c0, out.ld);
-      };
-      const std::int64_t tile = vocab_tile_rows<compute_t<T>>(w.cols, w.rows);
-      const std::int64_t vocab_tiles = detail::ceil_div(w.rows, tile);
-      // As many tiles as the widened path's logits (half of dX's target): a
-      // narrow weight (the vocabulary order's 1,024-row tile, a small shard)
-      // is tiled over tokens too, or its one GEMM would keep one thread busy:
-      // bf16 through lce_torch on AMX (Xeon, 2 threads, N 1,024, V 32,000)
-      // took 0.24-0.25 s in 1,024-row vocabulary tiles as one GEMM each, 0.19 s
-      // as 2 x 2 (4,000-row tiles: 0.18 s, in 2.8x the memory). Vocabulary
-      // tiles alone re-read the tokens' rows least: the 4,008-row tiles at
-      // V 128,256 took 5-7% longer as 2 x 4 than as 1 x 4.
-      constexpr std::int64_t target = std::max<std::int64_t>(1, tile_target / 2);
-      if (vocab_tiles >= target) {
-        for_gemm_tiles(vocab_tiles, [&](std::int64_t t) { block(0, x.rows, t * tile, std::min(tile, w.rows - t * tile)); });
-      } else {
-        constexpr std::int64_t least =
-            std::same_as<O, bfloat16> ? output_tiling::bf16_operand_floor : output_tiling::min_rows;
-        const output_tiling tiles(x.rows, w.rows, target, least, least);
-        for_gemm_tiles(tiles.count(), [&](std::int64_t t) {
-          const auto [r0, rows, c0, cols] = tiles.tile(t);
-          block(r0, rows, c0, cols);
-        });
-      }
+      });
     } else {
       if (x.rows == 0) return;
       if constexpr (bf16_weight<A, T>) {
@@ -675,6 +667,16 @@ class basic_host {
       row_tiles = detail::ceil_div(rows, row_tile);
       col_tiles = detail::ceil_div(cols, col_tile);
       last_row_ = rows, last_col_ = cols;
+    }
+
+    // All the rows at once, the columns `width` at a time (the last tile shorter).
+    static output_tiling in_columns_of(std::int64_t rows, std::int64_t cols, std::int64_t width) {
+      output_tiling tiles(rows, cols, 1);
+      if (tiles.count() > 0) {
+        tiles.col_tile = std::clamp<std::int64_t>(width, 1, cols);
+        tiles.col_tiles = detail::ceil_div(cols, tiles.col_tile);
+      }
+      return tiles;
     }
 
     std::int64_t count() const { return row_tiles * col_tiles; }
