@@ -185,6 +185,10 @@ TEST_CASE("AMX bf16 GEMM: lce_torch's shapes (logits into a wide C, dX over the 
   CHECK(run({64, 200, 256, transpose::no, transpose::yes, 1.0f, 0.0f, true}, rng) <= 1.0);
   CHECK(run({40, 96, 3000, transpose::no, transpose::no, 1.0f, 1.0f, true}, rng) <= 1.0);
   CHECK(run({64, 70, 1024, transpose::no, transpose::yes, 0.5f, 0.0f, true}, rng) <= 1.0);
+  // dW of the vocabulary order's tile (dz^T packed, over more columns than one 1,024-deep
+  // block holds): two 512-deep blocks, the second added through C, beta 0 and 1.
+  CHECK(run({96, 1024, 1000, transpose::yes, transpose::no, 0.25f, 0.0f}, rng) <= 1.0);
+  CHECK(run({96, 1000, 1024, transpose::yes, transpose::no, 1.0f, 1.0f}, rng) <= 1.0);
 }
 
 TEST_CASE("AMX bf16 GEMM: an empty C or depth") {
@@ -211,9 +215,12 @@ TEST_CASE("AMX bf16 GEMM: its scratch per thread stays within amx_bf16_gemm_scra
       {70, 600, 5000, transpose::no, transpose::no, -0.5f, 1.0f},
       {2100, 40, 3000, transpose::no, transpose::no, 2.0f, 0.0f},
       {64, 700, 1024, transpose::no, transpose::yes, 1.0f, 0.0f, true},
+      {384, 700, 1024, transpose::no, transpose::yes, 1.0f, 0.0f, true},
   };
-  // ... and a split A at depth 1,024 (both parts packed), which takes the whole bound.
-  const problem split{64, 600, 1024, transpose::no, transpose::no, 1.0f, 0.0f};
+  // (A packed over 700 columns is cut 512 deep where C stays in L2, 64 rows, and 1,024
+  // deep otherwise, 384 and 448 rows.) ... and a split A at depth 1,024 (both parts packed), which
+  // takes the whole bound.
+  const problem split{448, 600, 1024, transpose::no, transpose::no, 1.0f, 0.0f};
   std::size_t largest = 0;
   bool within = true, correct = true;
   std::thread([&] {

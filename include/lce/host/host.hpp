@@ -201,17 +201,19 @@ class basic_host {
     if constexpr (weight_as_stored<O, T>) {
       // As many tiles as the widened path's logits (half of dX's target). Vocabulary
       // tiles alone re-read the tokens' rows least (the 4,008-row tiles at V 128,256
-      // took 5-7% longer as 2 x 4 than as 1 x 4), but a narrow weight (the
-      // vocabulary order's 1,024-row tile, a small shard) is tiled over tokens too,
-      // or its one GEMM would keep one thread busy: bf16 through lce_torch on AMX
-      // (Xeon, 2 threads, N 1,024, V 32,000) took 0.24-0.25 s with one GEMM per
-      // 1,024-row tile, 0.19 s as 2 x 2 (4,000-row tiles: 0.18 s, in 2.8x the memory).
+      // took 5-7% longer as 2 x 4 than as 1 x 4); a narrow weight (the vocabulary
+      // order's 1,024-row tile, a small shard) is cut into narrower vocabulary tiles,
+      // down to 512 rows (a shard too narrow for two: tiles over tokens too), or its one
+      // GEMM would keep one thread busy: bf16 through
+      // lce_torch on AMX (Xeon, 2 threads, N 1,024, V 32,000) took 0.24-0.25 s with one
+      // GEMM per 1,024-row tile, 0.19 s as 2 x 2 GEMMs of tokens and vocabulary, and
+      // 1 x 2 packs the weight half as often (one thread: 2-3% faster than 2 x 2).
       constexpr std::int64_t target = std::max<std::int64_t>(1, tile_target / 2);
       constexpr std::int64_t least = std::same_as<O, bfloat16> ? output_tiling::bf16_operand_floor : output_tiling::min_rows;
       const std::int64_t tile = vocab_tile_rows<compute_t<T>>(w.cols, w.rows);
       const output_tiling tiles = detail::ceil_div(w.rows, tile) >= target
                                       ? output_tiling::in_columns_of(x.rows, w.rows, tile)
-                                      : output_tiling(x.rows, w.rows, target, least, least);
+                                      : output_tiling(x.rows, w.rows, target, w.rows >= 2 * least ? x.rows : least, least);
       for_gemm_tiles(tiles.count(), [&](std::int64_t t) {
         const auto [r0, rows, c0, cols] = tiles.tile(t);
         operand_gemm(transpose::no, transpose::yes, rows, cols, x.cols, alpha, x.row(r0), x.ld, w.row(c0), w.ld, A(0),
