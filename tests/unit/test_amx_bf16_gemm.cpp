@@ -217,9 +217,9 @@ TEST_CASE("AMX bf16 GEMM: its scratch per thread stays within amx_bf16_gemm_scra
       {64, 700, 1024, transpose::no, transpose::yes, 1.0f, 0.0f, true},
       {384, 700, 1024, transpose::no, transpose::yes, 1.0f, 0.0f, true},
   };
-  // (A packed over 700 columns is cut 512 deep where C stays in L2, 64 rows, and 1,024
-  // deep otherwise, 384 and 448 rows.) ... and a split A at depth 1,024 (both parts packed), which
-  // takes the whole bound.
+  // A packed over 700 columns is cut 512 deep where C fits in L2 (64 rows); 384 rows keep the
+  // 1,024-deep block. ... And a split A at depth 1,024 (both parts packed; 448 rows, so
+  // not cut), which takes the whole bound.
   const problem split{448, 600, 1024, transpose::no, transpose::no, 1.0f, 0.0f};
   std::size_t largest = 0;
   bool within = true, correct = true;

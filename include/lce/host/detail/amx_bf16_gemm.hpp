@@ -431,6 +431,9 @@ inline constexpr std::int64_t kib = 512;  // u16 elements in 1 KiB
 struct blocking {
   std::int64_t depth, columns, stream, pair_stride;
 
+  static constexpr std::int64_t packed_b_target = std::int64_t{1} << 19;  // elements: 1 MiB of packed B
+  static constexpr std::int64_t c_in_l2 = std::int64_t{1} << 18;          // fp32 elements of C: 1 MiB
+
   static blocking choose(std::int64_t m, std::int64_t n, std::int64_t k, bool a_in_place) {
     const std::int64_t n32 = (n + 31) / 32 * 32, k32 = (k + step - 1) / step * step;
     std::int64_t depth = 0, columns = 0;
@@ -445,10 +448,9 @@ struct blocking {
       // twice, 7% of a bf16 step through lce_torch at N 1,024, V 32,000 (with the logits'
       // 1 x 2 tiles: 0.176 s against 0.185 s on 2 threads, warm memory); a C of 4 MiB
       // (1,002-row dW tiles at V 128,256) took 17% longer in two depth blocks.
-      if (depth == 1024 && (std::int64_t{1} << 19) / depth < n32 && (std::int64_t{1} << 19) / 512 >= n32 &&
-          m * n32 <= (std::int64_t{1} << 18))
+      if (depth == 1024 && packed_b_target / 1024 < n32 && packed_b_target / 512 >= n32 && m * n32 <= c_in_l2)
         depth = 512;
-      columns = std::clamp<std::int64_t>((std::int64_t{1} << 19) / depth / 32 * 32, 32, n32);
+      columns = std::clamp<std::int64_t>(packed_b_target / depth / 32 * 32, 32, n32);
     } else if (k32 <= 1024) {
       // A read in place. Up to 1,024 deep, one depth block (C written once: the logits' C is
       // larger than the caches) and 128 K elements of packed B (256 KiB, in L2).
