@@ -7,10 +7,15 @@
 // the call sweeps that way: every result must still be the materialised
 // reference's. Under a budget too small for every token over one tile, the
 // tokens go in slices too, and each tile's dW is summed over them in a
-// [tile, H] accumulator: the same results.
+// [tile, H] accumulator: the same results. A forward, and a grad_weight of
+// the compute type (float), take the vocabulary order with all their rows
+// at once where it holds less than their chunk (direct_plan_for), never
+// in slices.
 #pragma once
 
 #include "cases/host_env.hpp"
+
+#include <span>
 
 namespace lce_test::cases::vocabulary_order {
 
@@ -33,6 +38,13 @@ constexpr std::int64_t least_all_rows_tile() {
 // tokens over a tile, so slices of about 30 and 18 rows.
 enum class tiling { all_rows, token_slices };
 constexpr tiling tilings[] = {tiling::all_rows, tiling::token_slices};
+
+// The tilings a call of T takes: float's grad_weight is the compute type (all rows only).
+template <class T>
+std::span<const tiling> tilings_of() {
+  if constexpr (std::is_same_v<T, float>) return std::span<const tiling>(tilings, 1);
+  else return tilings;
+}
 
 template <class T>
 constexpr std::size_t budget_bytes(tiling l = tiling::all_rows) {
@@ -85,6 +97,47 @@ void check_took_vocabulary_order(const Op& op, tiling l = tiling::all_rows, std:
   }
 }
 
+// A call alone (a forward of any T; a backward or forward_backward with a
+// float grad_weight, which has no dW scratch) under the all-rows budget
+// holds one tile of every token and a little more, not a chunk of the
+// budget over the whole vocabulary (the token order: about the budget).
+// Only where the backend's tiles are narrower than 4,096 columns (the host):
+// without a share, a tile of every token is itself most of this budget.
+template <class Env, class T>
+void check_call_alone_holds_a_tile() {
+  using Backend = typename decltype(Env::template make_op<T>(lce::options{}))::backend_type;
+  constexpr std::int64_t tile = least_all_rows_tile<Backend>();
+  if constexpr (tile < min_tile) {
+    using O = out_t<T>;
+    const std::size_t bound = 2 * static_cast<std::size_t>(tile * tokens) * sizeof(lce::compute_t<T>);
+    static_assert(2 * tile * tokens * sizeof(lce::compute_t<T>) < budget_bytes<T>() / 2);
+    const problem p = make_problem(tokens, hidden, vocab, 65, rounder_for<T>(), 1.0, 0.3, 0.1);
+    const auto X = make_matrix<T>(p.x, tokens, hidden);
+    const auto W = make_matrix<T>(p.w, vocab, hidden);
+    const auto Y = make_targets<std::int64_t>(p.y);
+    const vector_buf<O> Gv(random_vector(tokens, 66, -1.0, 1.0, rounder_for<O>()));
+    vector_buf<O> lp(tokens), lse(tokens);
+    {
+      auto op = Env::template make_op<T>(budget_options<T>());
+      op.forward(X.cview(), W.cview(), Y.cview(), lp.view(), lse.view());
+      CAPTURE(op.held_workspace_bytes());
+      CHECK(op.held_workspace_bytes() <= bound);
+    }
+    if constexpr (std::is_same_v<T, float>) {
+      matrix_buf<T> gh(tokens, hidden), gw(vocab, hidden);
+      gw.fill(T(0));
+      auto backward = Env::template make_op<T>(budget_options<T>());
+      backward.backward(X.cview(), W.cview(), Y.cview(), lse.cview(), Gv.cview(), gh.view(), gw.view());
+      CAPTURE(backward.held_workspace_bytes());
+      CHECK(backward.held_workspace_bytes() <= bound);
+      auto fused = Env::template make_op<T>(budget_options<T>());
+      fused.forward_backward(X.cview(), W.cview(), Y.cview(), Gv.cview(), lp.view(), gh.view(), gw.view());
+      CAPTURE(fused.held_workspace_bytes());
+      CHECK(fused.held_workspace_bytes() <= bound);
+    }
+  }
+}
+
 // The inputs of an exercise (forward, backward with entropy, forward_backward)
 // at these shapes under one scaling: dL/dlogp, dL/dentropy, grad_weight's prefill.
 struct exercise_inputs {
@@ -107,7 +160,7 @@ exercise_inputs exercise_inputs_for(const scaling& s) {
 // scaling, against the reference; returns nothing, checks everything.
 template <class Env, class T>
 void matches_reference(int threads = 0) {
-  for (const tiling l : tilings)
+  for (const tiling l : tilings_of<T>())
   for (const auto& s : scalings) {
     CAPTURE(int(l));
     CAPTURE(s.tau);
@@ -118,6 +171,7 @@ void matches_reference(int threads = 0) {
                             Env::template gradient_operand_unit<T>, Env::template gradient_operand_floor<T>);
     check_took_vocabulary_order<decltype(op), T>(op, l);
   }
+  check_call_alone_holds_a_tile<Env, T>();
 }
 
 }  // namespace lce_test::cases::vocabulary_order

@@ -12,13 +12,14 @@ using namespace lce_test;
 using namespace lce_test::cases::vocabulary_order;
 
 TEST_CASE_TEMPLATE("vocabulary order: forward, backward with entropy and forward_backward equal the reference", T,
-                   lce::bfloat16, lce::float16, double) {
+                   lce::bfloat16, lce::float16, float, double) {
   matches_reference<host_env, T>(3);
 }
 
-TEST_CASE_TEMPLATE("vocabulary order: the same bits on any thread count", T, lce::bfloat16, lce::float16, double) {
+TEST_CASE_TEMPLATE("vocabulary order: the same bits on any thread count", T, lce::bfloat16, lce::float16, float,
+                   double) {
   using G = narrow_t<T>;
-  for (const tiling l : tilings)
+  for (const tiling l : tilings_of<T>())
   for (const auto& s : scalings) {
     CAPTURE(int(l));
     CAPTURE(s.tau);
@@ -33,10 +34,11 @@ TEST_CASE_TEMPLATE("vocabulary order: the same bits on any thread count", T, lce
   }
 }
 
-TEST_CASE_TEMPLATE("vocabulary order: forward_backward with every row term in and out", T, lce::bfloat16, double) {
+TEST_CASE_TEMPLATE("vocabulary order: forward_backward with every row term in and out", T, lce::bfloat16, float,
+                   double) {
   using O = out_t<T>;
   using G = narrow_t<T>;
-  for (const tiling l : tilings)
+  for (const tiling l : tilings_of<T>())
   for (const auto& s : scalings) {
     CAPTURE(int(l));
     CAPTURE(s.tau);
@@ -142,8 +144,9 @@ void check_bias_gradients(tiling l) {
 
 }  // namespace
 
-TEST_CASE_TEMPLATE("vocabulary order: an LM head with a bias (each tile's columns of db)", T, lce::bfloat16, double) {
-  for (const tiling l : tilings) check_bias_gradients<T>(l);
+TEST_CASE_TEMPLATE("vocabulary order: an LM head with a bias (each tile's columns of db)", T, lce::bfloat16, float,
+                   double) {
+  for (const tiling l : tilings_of<T>()) check_bias_gradients<T>(l);
 }
 
 // Where all of a call's tokens go over each tile, the tile takes at most a
@@ -176,16 +179,23 @@ TEST_CASE("vocabulary order: a tile of every token holds a 32nd of the shard, do
   }
 }
 
-// A float grad_weight has no accumulator to save (dW sums into it chunk by
-// chunk), and a chunk the user fixed is kept: both stay in the token order.
-TEST_CASE("vocabulary order: not for a grad_weight of the compute type, nor a fixed chunk") {
+// A chunk the user fixed is kept: the token order, and for a 2-byte
+// grad_weight its [V, H] accumulator. Under the budget alone, a float
+// grad_weight takes the vocabulary order too (its tiles' dW GEMMs add into
+// it), as does a forward of any type.
+TEST_CASE("vocabulary order: not for a fixed chunk") {
   using B = lce::bfloat16;
-  auto f32 = make_op<float>(budget_options<float>());
-  CHECK(f32.workspace_bytes(tokens, hidden, vocab) <= budget_bytes<float>());
+  const std::size_t one_tile = static_cast<std::size_t>(least_all_rows_tile<lce::host>() * tokens) * sizeof(float);
   lce::options fixed = budget_options<B>();
   fixed.chunk_tokens = 8;
   auto bf16 = make_op<B>(fixed);
   CHECK(bf16.workspace_bytes(tokens, hidden, vocab) >= accumulator_bytes<B>());
   auto budget = make_op<B>(budget_options<B>());
   CHECK(budget.workspace_bytes(tokens, hidden, vocab) < accumulator_bytes<B>());
+  lce::options fixed_f32 = budget_options<float>();
+  fixed_f32.chunk_tokens = 24;
+  auto f32_fixed = make_op<float>(fixed_f32);
+  CHECK(f32_fixed.workspace_bytes(tokens, hidden, vocab) >= static_cast<std::size_t>(24 * vocab) * sizeof(float));
+  auto f32 = make_op<float>(budget_options<float>());
+  CHECK(f32.workspace_bytes(tokens, hidden, vocab) < one_tile + (std::size_t{64} << 10));
 }

@@ -199,13 +199,16 @@ class engine {
                               std::int64_t set_size = 0) const {
     check_sizes("workspace_bytes", n_tokens, hidden, vocab_local, set_size);
     using NarrowGradWeight = std::conditional_t<std::same_as<T, double>, float, T>;
-    checked_size total;
-    if constexpr (std::same_as<T, float>) {
-      total = checked_size(plan_for(n_tokens, hidden, vocab_local, 0, set_size).bytes);
-    } else {
+    std::size_t sweep = 0;
+    for (const call_kind kind : {call_kind::forward, call_kind::backward, call_kind::forward_backward})
+      sweep = std::max(sweep, direct_plan_for<Compute>(kind, n_tokens, hidden, vocab_local, set_size).plan.bytes);
+    sweep = std::max(sweep, direct_plan_for<no_weight_gradient_t>(call_kind::forward, n_tokens, hidden, vocab_local,
+                                                                   set_size).plan.bytes);
+    checked_size total(sweep);
+    if constexpr (!std::same_as<T, float>) {
       const auto gradient = gradient_plan_for<NarrowGradWeight>(n_tokens, hidden, vocab_local, set_size);
-      const std::size_t sweep = std::max(gradient.plan.bytes, plan_for(n_tokens, hidden, vocab_local, 0, set_size).bytes);
-      total = checked_size(sweep) + weight_gradient_scratch_bytes<NarrowGradWeight>(gradient, hidden, vocab_local);
+      total = checked_size(std::max(sweep, gradient.plan.bytes)) +
+              weight_gradient_scratch_bytes<NarrowGradWeight>(gradient, hidden, vocab_local);
     }
     expects(!total.overflow, "workspace_bytes: the dW accumulator of vocab_local ", vocab_local, " x hidden ",
             hidden, " needs more bytes than size_t holds");
@@ -234,6 +237,13 @@ class engine {
     if (in.targets.size == 0) return;
     [[maybe_unused]] const auto backend_call = begin_backend_call();
     sweep_type sweep(comm_, backend_, options_, call.plan, call.workspace, call.vocab);
+    if (call.vocab_tile > 0) {
+      sweep.run(in, [&](const auto& whole) {
+        statistics_by_vocabulary_tiles(sweep, whole, call, out.has_entropy, out.has_mean_logit);
+        scatter_outputs(sweep, whole, out);
+      });
+      return;
+    }
     sweep.run(in, [&](const auto& c) {
       if (c.set_size > 0) sweep.target_set_rows(c, /*with_grads=*/false);
       sweep.forward_statistics(c, out.has_entropy, /*keep_exp=*/false, out.has_mean_logit);
@@ -354,11 +364,7 @@ class engine {
       if constexpr (backend_sweeps_vocabulary_tiles<GradWeight>) {
         // The logits twice: every row's lse is known only after the last tile.
         sweep.run(in, [&](const auto& whole) {
-          using Chunk_ = std::remove_cvref_t<decltype(whole)>;
-          for_vocabulary_tiles(sweep, whole, call, [&](const Chunk_& slice, bool first_tile) {
-            sweep.tile_statistics(slice, first_tile, with_entropy, out.has_mean_logit);
-          });
-          sweep.finish_tile_statistics(whole, with_entropy, out.has_mean_logit);
+          statistics_by_vocabulary_tiles(sweep, whole, call, with_entropy, out.has_mean_logit);
           scatter_outputs(sweep, whole, out);
           auto args = gather_given(sweep, whole, grads);
           if (grads.has_entropy) args.mean_centred_logit = whole.row(row_mean_centred);
@@ -406,6 +412,16 @@ class engine {
       for (std::int64_t row = 0; row < whole.rows; row += rows)
         body(sweep.token_slice(tile, row, std::min(rows, whole.rows - row)), first == 0);
     }
+  }
+
+  // Every row's statistics from the tiles' logits, merged in vocabulary order.
+  template <class Chunk_>
+  static void statistics_by_vocabulary_tiles(sweep_type& sweep, const Chunk_& whole, const prepared_call& call,
+                                             bool with_entropy, bool with_mean_logit) {
+    for_vocabulary_tiles(sweep, whole, call, [&](const Chunk_& slice, bool first_tile) {
+      sweep.tile_statistics(slice, first_tile, with_entropy, with_mean_logit);
+    });
+    sweep.finish_tile_statistics(whole, with_entropy, with_mean_logit);
   }
 
   // dz tile by tile (the logits again), each tile's dW final after its last
@@ -638,7 +654,9 @@ class engine {
               backend_, dw_bytes.value,
               call.tiles_into_grad_weight ? "grad_weight (fp32 tiles of it)" : "grad_weight (its fp32 accumulator)"));
         } else {
-          call.plan = plan_for(in.tokens(), in.hidden.cols, in.weight.rows, 0, in.set_size);
+          const auto order = direct_plan_for<GradWeight>(kind, in.tokens(), in.hidden.cols, in.weight.rows, in.set_size);
+          call.plan = order.plan;
+          call.vocab_tile = order.vocab_tile;
           call.workspace = workspace_.reserve(backend_, call.plan.bytes, "workspace");
         }
       });
@@ -820,10 +838,16 @@ class engine {
   // in one chunk, with the backend's dW tiles, hold no more than that, the
   // call takes them in one chunk: less memory, and no accumulator to fill,
   // sum into and read back. Then, where the vocabulary order holds less
-  // still than the token order so chosen (one chunk over the budget, or
-  // several and the accumulator), the call sweeps that way
-  // (vocabulary_tiles_plan). A call whose tokens fit the policy's chunk keeps
-  // the token order: one chunk, 3 GEMMs in a forward_backward. Each side is
+  // still than the token order so chosen (one chunk, or several and the
+  // accumulator), the call sweeps that way (vocabulary_tiles_plan), even
+  // where its tokens fit the policy's chunk: one chunk's fp32 logits hold
+  // twice what the materialised 2-byte logits would, and a forward_backward
+  // over all N <= 512 tokens in 1,024-column tiles (4 GEMMs) took the time
+  // of the one chunk (3 GEMMs) in a fresh process (lce_torch, bf16, H
+  // 1,024, Xeon with AMX, 1 and 2 threads: 0.069 / 0.070 s at V 32,000 and
+  // N 256, 0.108 / 0.106 s at N 512, 0.373 / 0.420 s at V 128,256 and N
+  // 512), with 4-14 MiB instead of 40-260; with memory reused (a warm
+  // allocator) it took 1.1-1.3x the one chunk's time. Each side is
   // weighed with one dW tile, or the vocabulary order with token slices
   // with its tile's accumulator (from the shapes alone), so that the plan,
   // and with it the bits, never depend on the thread count.
@@ -836,28 +860,27 @@ class engine {
     const auto scratch = [&](const gradient_plan& plan) {
       return weight_gradient_scratch_bytes<G>(plan, hidden, vocab_local, /*slots=*/1);
     };
-    if (one_chunk_without_accumulator<G>(n_tokens, result.plan)) {
-      // Every token in one chunk within the budget: the fewest GEMMs, nothing to weigh.
-      result.tiles_into_grad_weight = true;
-      return result;
-    }
+    // Every token in one chunk within the budget: the fewest GEMMs, weighed below against the vocabulary order.
+    result.tiles_into_grad_weight = one_chunk_without_accumulator<G>(n_tokens, result.plan);
     if (!budget_decides || n_tokens < 1 || n_tokens > message_row_limit(hidden, set_size)) return result;
-    const auto shape = shape_of(hidden, vocab_local, set_size);
-    const checked_size one = workspace_plan<Compute>::fixed_bytes(shape) +
-                             checked_size::of(n_tokens) * workspace_plan<Compute>::bytes_per_token(shape) +
-                             scratch({.plan = {.block_rows = n_tokens}, .tiles_into_grad_weight = true});
     const checked_size several = checked_size(result.plan.bytes) +
                                  checked_size::of(vocab_local) * checked_size::of(hidden) * sizeof(Compute);
-    checked_size held = several;
-    if (!one.overflow && (several.overflow || one.value <= several.value)) {
-      const auto whole = workspace_plan<Compute>::make(shape, n_tokens);
-      if (one_chunk_without_accumulator<G>(n_tokens, whole)) {
-        result = {whole, true};
-        held = one;
+    checked_size held = result.tiles_into_grad_weight ? checked_size(result.plan.bytes) + scratch(result) : several;
+    if (!result.tiles_into_grad_weight) {
+      const auto shape = shape_of(hidden, vocab_local, set_size);
+      const checked_size one = workspace_plan<Compute>::fixed_bytes(shape) +
+                               checked_size::of(n_tokens) * workspace_plan<Compute>::bytes_per_token(shape) +
+                               scratch({.plan = {.block_rows = n_tokens}, .tiles_into_grad_weight = true});
+      if (!one.overflow && (several.overflow || one.value <= several.value)) {
+        const auto whole = workspace_plan<Compute>::make(shape, n_tokens);
+        if (one_chunk_without_accumulator<G>(n_tokens, whole)) {
+          result = {whole, true};
+          held = one;
+        }
       }
     }
     if (set_size == 0) {
-      const auto tiled = vocabulary_tiles_plan<G>(n_tokens, hidden, vocab_local);
+      const auto tiled = vocabulary_tiles_plan<G>(n_tokens, hidden, vocab_local, /*with_slices=*/true);
       if (tiled.vocab_tile > 0) {
         const checked_size tiled_held = checked_size(tiled.plan.bytes) + scratch(tiled);
         if (!tiled_held.overflow && (held.overflow || tiled_held.value < held.value)) return tiled;
@@ -868,12 +891,49 @@ class engine {
 
   // Whether this backend can sweep the vocabulary order for a grad_weight of
   // element G, and with the tokens in slices (a tile's dW summed over them).
+  // A forward needs nothing more than the token order does; a grad_weight in
+  // the compute type takes each tile's dW GEMM as it is (beta 1).
   template <class G>
   static constexpr bool backend_sweeps_vocabulary_tiles =
-      adds_grad_hidden<Backend, Operand, T, Compute> && backend_adds_weight_gradient_tiles<G>;
+      std::same_as<G, no_weight_gradient_t> ||
+      (adds_grad_hidden<Backend, Operand, T, Compute> &&
+       (std::same_as<G, Compute> || backend_adds_weight_gradient_tiles<G>));
   template <class G>
   static constexpr bool backend_slices_vocabulary_tiles =
       backend_sweeps_vocabulary_tiles<G> && rounds_accumulated_weight_gradient<Backend, Operand, Compute, G>;
+
+  // The plan of a call with no dW scratch: a forward (GradWeight is
+  // no_weight_gradient_t), or a grad_weight in the compute type, which each
+  // dW GEMM adds into in either order. One rank takes the vocabulary order,
+  // all its rows at once, where that holds less than the token order's
+  // chunk (one chunk of all N <= enough_chunk_rows rows holds all the
+  // logits). A forward or a backward runs the same GEMMs in either order.
+  // A forward_backward runs one more (the logits twice). With 2-byte
+  // inputs it takes the vocabulary order all the same: their fp32 logits
+  // of one chunk would hold twice what materialising the 2-byte logits
+  // does, and it took the token order's time in a fresh process (bf16, V
+  // 32,000 / 128,256, N 256-512; see gradient_plan_for). With float or
+  // double inputs it took 1.3-1.5x the token order's time at V 32,000 and
+  // N 256-1,024 (2 threads, lce_torch on MKL's sgemm, Xeon), so there it
+  // takes the vocabulary order only where the budget starves the token
+  // order, its chunk below the backend's min_efficient_chunk_rows (8 MiB
+  // at V 128,256 makes chunks of 16 rows: 3.4x the time of 256-512).
+  template <class GradWeight>
+  gradient_plan direct_plan_for(call_kind kind, std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local,
+                                std::int64_t set_size) const {
+    gradient_plan result{plan_for(n_tokens, hidden, vocab_local, 0, set_size)};
+    using G = std::conditional_t<std::same_as<GradWeight, no_weight_gradient_t>, no_weight_gradient_t, Compute>;
+    const bool budget_decides = !fixed_chunk_policy<Chunk> && options_.chunk_tokens <= 0;
+    if (!budget_decides || set_size != 0 || n_tokens < 1) return result;
+    if (kind == call_kind::forward_backward && std::same_as<T, Compute>) {
+      constexpr std::int64_t least = min_efficient_chunk_rows<Backend>();
+      const bool starved = least != INT64_MAX && result.plan.local_chunk < std::min(n_tokens, least);
+      if (!starved) return result;
+    }
+    const auto tiled = vocabulary_tiles_plan<G>(n_tokens, hidden, vocab_local, /*with_slices=*/false);
+    if (tiled.vocab_tile > 0 && tiled.plan.bytes < result.plan.bytes) return tiled;
+    return result;
+  }
 
   // The vocabulary order of a call on one rank: every token in one chunk, the
   // vocabulary `vocab_tile` weight rows at a time (whole cache lines, at
@@ -911,7 +971,8 @@ class engine {
   static constexpr std::int64_t vocabulary_share = 32;
 
   template <class G>
-  gradient_plan vocabulary_tiles_plan(std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local) const {
+  gradient_plan vocabulary_tiles_plan(std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local,
+                                      bool with_slices) const {
     if constexpr (!backend_sweeps_vocabulary_tiles<G>) {
       return {};
     } else {
@@ -948,6 +1009,7 @@ class engine {
       if constexpr (!backend_slices_vocabulary_tiles<G>) {
         return {};
       } else {
+        if (!with_slices) return {};
         constexpr std::int64_t tile = vocabulary_tile_min_columns;
         const auto one_row = workspace_plan<Compute>::make(shape_with(tile, 1), n_tokens);
         const std::size_t per_row = static_cast<std::size_t>(workspace_plan<Compute>::padded_ld(tile)) * column_bytes;

@@ -347,7 +347,7 @@ class chunk_sweep {
                       const weight_gradient_sink<Compute, GradWeight>& weight_gradient,
                       const vector_view<Compute>& grad_bias = {}) {
     if constexpr (adds_grad_hidden<Backend, Operand, T, Compute> &&
-                  adds_weight_gradient_tiles<Backend, Operand, Compute, GradWeight>) {
+                  (std::same_as<GradWeight, Compute> || adds_weight_gradient_tiles<Backend, Operand, Compute, GradWeight>)) {
       const matrix_view<const Operand> dz = dz_of(slice);
       const Compute alpha = scaling_.temperature_scale;
       const std::int64_t first = slice.vocab_first, count = slice.logits.cols;
@@ -356,7 +356,11 @@ class chunk_sweep {
                            slice.weight_block, first_tile ? Compute(0) : Compute(1));
       auto tile_sink = weight_gradient;
       tile_sink.grad_weight = weight_gradient.grad_weight.rows_slice(first, count);
-      if (tile_sink.accumulator.data) tile_sink.accumulator = weight_gradient.accumulator.rows_slice(0, count);
+      // A grad_weight in the compute type is its own accumulator: the tile's rows of it.
+      if constexpr (std::same_as<GradWeight, Compute>)
+        tile_sink.accumulator = tile_sink.grad_weight;
+      else if (tile_sink.accumulator.data)
+        tile_sink.accumulator = weight_gradient.accumulator.rows_slice(0, count);
       add_weight_gradient(slice, dz, alpha, tile_sink);
     } else {
       static_assert(sizeof(GradWeight) == 0, "the vocabulary order needs adds_grad_hidden and adds_weight_gradient_tiles");
