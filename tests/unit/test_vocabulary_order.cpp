@@ -19,7 +19,7 @@ TEST_CASE_TEMPLATE("vocabulary order: forward, backward with entropy and forward
 TEST_CASE_TEMPLATE("vocabulary order: the same bits on any thread count", T, lce::bfloat16, lce::float16, float,
                    double) {
   using G = narrow_t<T>;
-  for (const tiling l : tilings_of<T>())
+  for (const tiling l : tilings)
   for (const auto& s : scalings) {
     CAPTURE(int(l));
     CAPTURE(s.tau);
@@ -38,7 +38,7 @@ TEST_CASE_TEMPLATE("vocabulary order: forward_backward with every row term in an
                    double) {
   using O = out_t<T>;
   using G = narrow_t<T>;
-  for (const tiling l : tilings_of<T>())
+  for (const tiling l : tilings)
   for (const auto& s : scalings) {
     CAPTURE(int(l));
     CAPTURE(s.tau);
@@ -146,7 +146,7 @@ void check_bias_gradients(tiling l) {
 
 TEST_CASE_TEMPLATE("vocabulary order: an LM head with a bias (each tile's columns of db)", T, lce::bfloat16, float,
                    double) {
-  for (const tiling l : tilings_of<T>()) check_bias_gradients<T>(l);
+  for (const tiling l : tilings) check_bias_gradients<T>(l);
 }
 
 // Where all of a call's tokens go over each tile, the tile takes at most a

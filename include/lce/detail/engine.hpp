@@ -898,9 +898,12 @@ class engine {
       std::same_as<G, no_weight_gradient_t> ||
       (adds_grad_hidden<Backend, Operand, T, Compute> &&
        (std::same_as<G, Compute> || backend_adds_weight_gradient_tiles<G>));
+  // In slices a forward needs nothing more either; a grad_weight in the
+  // compute type takes each slice's dW GEMM as it is.
   template <class G>
   static constexpr bool backend_slices_vocabulary_tiles =
-      backend_sweeps_vocabulary_tiles<G> && rounds_accumulated_weight_gradient<Backend, Operand, Compute, G>;
+      backend_sweeps_vocabulary_tiles<G> && (std::same_as<G, no_weight_gradient_t> || std::same_as<G, Compute> ||
+                                             rounds_accumulated_weight_gradient<Backend, Operand, Compute, G>);
 
   // The plan of a call with no dW scratch: a forward (GradWeight is
   // no_weight_gradient_t), or a grad_weight in the compute type, which each
@@ -925,13 +928,16 @@ class engine {
     using G = std::conditional_t<std::same_as<GradWeight, no_weight_gradient_t>, no_weight_gradient_t, Compute>;
     const bool budget_decides = !fixed_chunk_policy<Chunk> && options_.chunk_tokens <= 0;
     if (!budget_decides || set_size != 0 || n_tokens < 1) return result;
-    if (kind == call_kind::forward_backward && std::same_as<T, Compute>) {
-      constexpr std::int64_t least = min_efficient_chunk_rows<Backend>();
-      const bool starved = least != INT64_MAX && result.plan.local_chunk < std::min(n_tokens, least);
-      if (!starved) return result;
-    }
-    const auto tiled = vocabulary_tiles_plan<G>(n_tokens, hidden, vocab_local, /*with_slices=*/false);
-    if (tiled.vocab_tile > 0 && tiled.plan.bytes < result.plan.bytes) return tiled;
+    constexpr std::int64_t least = min_efficient_chunk_rows<Backend>();
+    const bool starved = least != INT64_MAX && result.plan.local_chunk < std::min(n_tokens, least);
+    if (kind == call_kind::forward_backward && std::same_as<T, Compute> && !starved) return result;
+    // Token slices only where the token order is starved too: a slice's GEMMs re-read every
+    // hidden row once per 4,096 vocabulary rows, where a chunk's read them once.
+    const auto tiled = vocabulary_tiles_plan<G>(n_tokens, hidden, vocab_local, /*with_slices=*/starved);
+    if (tiled.vocab_tile == 0) return result;
+    // Starved, both orders hold about the budget; the vocabulary order's GEMMs are the wider.
+    const std::size_t room = starved ? std::max(result.plan.bytes, options_.workspace_limit_bytes) : 0;
+    if (tiled.plan.bytes < result.plan.bytes || tiled.plan.bytes <= room) return tiled;
     return result;
   }
 
