@@ -844,10 +844,10 @@ class engine {
   // twice what the materialised 2-byte logits would, and a forward_backward
   // over all N <= 512 tokens in 1,024-column tiles (4 GEMMs) took the time
   // of the one chunk (3 GEMMs) in a fresh process (lce_torch, bf16, H
-  // 1,024, Xeon with AMX, 1 and 2 threads: 0.069 / 0.070 s at V 32,000 and
+  // 1,024, Xeon with AMX, 2 threads, these tiles / one chunk: 0.069 / 0.070 s at V 32,000 and
   // N 256, 0.108 / 0.106 s at N 512, 0.373 / 0.420 s at V 128,256 and N
   // 512), with 4-14 MiB instead of 40-260; with memory reused (a warm
-  // allocator) it took 1.1-1.3x the one chunk's time. Each side is
+  // allocator) it took 1.0-1.35x the one chunk's time. Each side is
   // weighed with one dW tile, or the vocabulary order with token slices
   // with its tile's accumulator (from the shapes alone), so that the plan,
   // and with it the bits, never depend on the thread count.
