@@ -199,11 +199,11 @@ class engine {
                               std::int64_t set_size = 0) const {
     check_sizes("workspace_bytes", n_tokens, hidden, vocab_local, set_size);
     using NarrowGradWeight = std::conditional_t<std::same_as<T, double>, float, T>;
-    std::size_t sweep = 0;
-    for (const call_kind kind : {call_kind::forward, call_kind::backward, call_kind::forward_backward})
+    // A forward, and a backward or forward_backward with a grad_weight of the compute type.
+    std::size_t sweep =
+        direct_plan_for<no_weight_gradient_t>(call_kind::forward, n_tokens, hidden, vocab_local, set_size).plan.bytes;
+    for (const call_kind kind : {call_kind::backward, call_kind::forward_backward})
       sweep = std::max(sweep, direct_plan_for<Compute>(kind, n_tokens, hidden, vocab_local, set_size).plan.bytes);
-    sweep = std::max(sweep, direct_plan_for<no_weight_gradient_t>(call_kind::forward, n_tokens, hidden, vocab_local,
-                                                                   set_size).plan.bytes);
     checked_size total(sweep);
     if constexpr (!std::same_as<T, float>) {
       const auto gradient = gradient_plan_for<NarrowGradWeight>(n_tokens, hidden, vocab_local, set_size);
