@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <concepts>
 #include <cstdint>
 #include <limits>
 #include <random>
@@ -189,6 +190,102 @@ TEST_CASE("AMX bf16 GEMM: lce_torch's shapes (logits into a wide C, dX over the 
   // block holds): two 512-deep blocks, the second added through C, beta 0 and 1.
   CHECK(run({96, 1024, 1000, transpose::yes, transpose::no, 0.25f, 0.0f}, rng) <= 1.0);
   CHECK(run({96, 1000, 1024, transpose::yes, transpose::no, 1.0f, 1.0f}, rng) <= 1.0);
+}
+
+// amx_bf16_gemm_into_bf16: C in bf16 gets bf16(C + alpha A B). Against two references:
+// bit for bit, the kernel's own fp32 GEMM (beta 0) followed by a scalar rounded add (the
+// host's scratch path), where that GEMM sums k in one depth block too; and, at any depth,
+// a double sum: the result within fp32 accumulation's bound plus half an ulp of bf16 of
+// C + alpha A B. C's padding columns stay as they were.
+template <class AElement, class BElement>
+void check_into_bf16(const problem& p, std::mt19937& rng) {
+  const bool at = p.ta == transpose::yes, bt = p.tb == transpose::yes;
+  const std::int64_t lda = (at ? p.m : p.k) + 3, ldb = (bt ? p.k : p.n) + 5, ldc = p.n + 7;
+  std::uniform_real_distribution<float> value(-2.0f, 2.0f);
+  std::vector<AElement> a(static_cast<std::size_t>((at ? p.k : p.m) * lda));
+  std::vector<BElement> b(static_cast<std::size_t>((bt ? p.n : p.k) * ldb));
+  for (auto& x : a) x = static_cast<AElement>(std::same_as<AElement, float> ? value(rng) : static_cast<float>(bfloat16(value(rng))));
+  for (auto& x : b) x = static_cast<BElement>(static_cast<float>(bfloat16(value(rng))));
+  std::vector<bfloat16> c(static_cast<std::size_t>(p.m * ldc));
+  for (auto& x : c) x = bfloat16(value(rng) * 8.0f);
+  const std::vector<bfloat16> before = c;
+  lce::detail::amx_bf16_gemm_into_bf16(p.ta, p.tb, p.m, p.n, p.k, p.alpha, a.data(), lda, b.data(), ldb, c.data(), ldc);
+
+  // The fp32 GEMM's one depth block: k <= 512, or one column block of packed B (see blocking::choose).
+  if (p.k <= 512 || p.n <= 512) {
+    std::vector<float> sum(static_cast<std::size_t>(p.m * p.n));
+    if constexpr (std::same_as<AElement, float>)
+      lce::detail::amx_split_bf16_gemm(p.ta, p.tb, p.m, p.n, p.k, p.alpha, a.data(), lda, b.data(), ldb, 0.0f,
+                                       sum.data(), p.n);
+    else
+      lce::detail::amx_bf16_gemm(p.ta, p.tb, p.m, p.n, p.k, p.alpha, a.data(), lda, b.data(), ldb, 0.0f, sum.data(),
+                                 p.n);
+    std::int64_t differing = 0;
+    for (std::int64_t i = 0; i < p.m; ++i)
+      for (std::int64_t j = 0; j < p.n; ++j) {
+        const bfloat16 expected(static_cast<float>(before[static_cast<std::size_t>(i * ldc + j)]) +
+                                sum[static_cast<std::size_t>(i * p.n + j)]);
+        differing += expected.bits != c[static_cast<std::size_t>(i * ldc + j)].bits;
+      }
+    CHECK(differing == 0);
+  }
+
+  const auto a_at = [&](std::int64_t i, std::int64_t q) {
+    const float x = static_cast<float>(a[static_cast<std::size_t>(at ? q * lda + i : i * lda + q)]);
+    const float hi = static_cast<float>(bfloat16(x));
+    return static_cast<double>(hi) + static_cast<float>(bfloat16(x - hi));  // x itself for a bf16 A
+  };
+  const auto b_at = [&](std::int64_t q, std::int64_t j) {
+    return static_cast<double>(static_cast<float>(b[static_cast<std::size_t>(bt ? j * ldb + q : q * ldb + j)]));
+  };
+  const int parts = std::same_as<AElement, float> ? 2 : 1;
+  double worst = 0.0;
+  for (std::int64_t i = 0; i < p.m; ++i)
+    for (std::int64_t j = 0; j < ldc; ++j) {
+      const bfloat16 got = c[static_cast<std::size_t>(i * ldc + j)], old = before[static_cast<std::size_t>(i * ldc + j)];
+      if (j >= p.n) {
+        CHECK(got.bits == old.bits);
+        continue;
+      }
+      double sum = 0.0, magnitude = 0.0;
+      for (std::int64_t q = 0; q < p.k; ++q) {
+        sum += a_at(i, q) * b_at(q, j);
+        magnitude += std::fabs(a_at(i, q) * b_at(q, j));
+      }
+      const double expected = static_cast<double>(static_cast<float>(old)) + p.alpha * sum;
+      const double bound = static_cast<double>(parts * p.k + 3) * std::ldexp(1.0, -24) *
+                               (std::fabs(p.alpha) * magnitude + std::fabs(static_cast<float>(old))) +
+                           std::ldexp(std::fabs(expected), -8) + std::numeric_limits<float>::denorm_min();
+      worst = std::max(worst, std::fabs(static_cast<float>(got) - expected) / bound);
+    }
+  CHECK(worst <= 1.0);
+}
+
+TEST_CASE("AMX GEMM into a bf16 C: bf16(C + alpha A B), the bits of the fp32 GEMM and a rounded add") {
+  if (!amx_runs_here()) return;
+  std::mt19937 rng(2028);
+  // Ragged and whole blocks, one step, a whole 1,024-deep block over more columns than packed B
+  // holds at that depth, and past it (the fp32 sum in a buffer of its own).
+  const std::int64_t shapes[][3] = {{32, 32, 32}, {1, 1, 1},       {17, 45, 3},    {33, 31, 100},
+                                    {64, 96, 512}, {40, 700, 1000}, {96, 33, 1024}, {20, 50, 1500}};
+  const transpose both[] = {transpose::no, transpose::yes};
+  for (const auto& shape : shapes)
+    for (const transpose ta : both)
+      for (const transpose tb : both)
+        for (const float alpha : {1.0f, -0.375f}) {
+          const problem p{shape[0], shape[1], shape[2], ta, tb, alpha, 0.0f};
+          CAPTURE(p.m);
+          CAPTURE(p.n);
+          CAPTURE(p.k);
+          CAPTURE(ta == transpose::yes);
+          CAPTURE(tb == transpose::yes);
+          CAPTURE(alpha);
+          check_into_bf16<bfloat16, bfloat16>(p, rng);
+          check_into_bf16<float, float>(p, rng);
+        }
+  // dW tiles as lce::host takes them: dz^T (transposed) against the hidden rows, 512 x 1,024 at N = 256 / 1,024.
+  check_into_bf16<bfloat16, bfloat16>({512, 1024, 256, transpose::yes, transpose::no, 1.0f, 0.0f}, rng);
+  check_into_bf16<float, float>({128, 1024, 1024, transpose::yes, transpose::no, 1.0f, 0.0f}, rng);
 }
 
 TEST_CASE("AMX bf16 GEMM: an empty C or depth") {

@@ -509,7 +509,11 @@ TEST_CASE_TEMPLATE("one-chunk calls add dW tiles straight into a narrower grad_w
   const auto tiled = exercise<T, G>(one_chunk, p, g, hg, pre);
   check_against_reference(tiled, p, g, hg, pre);
   const std::size_t one_chunk_sweep = sweep_bytes(whole);
-  CHECK(one_chunk.held_workspace_bytes() > one_chunk_sweep);
+  // The AMX kernel rounds a bf16 grad_weight's tiles into it itself: no fp32 tiles then.
+  if (std::same_as<T, lce::bfloat16> && lce::detail::amx_bf16_gemm_available())
+    CHECK(one_chunk.held_workspace_bytes() == one_chunk_sweep);
+  else
+    CHECK(one_chunk.held_workspace_bytes() > one_chunk_sweep);
   CHECK(one_chunk.held_workspace_bytes() - one_chunk_sweep < accumulator / 4);
   CHECK(one_chunk.workspace_bytes(p.n, p.h, p.v) == one_chunk.held_workspace_bytes());
 
@@ -522,6 +526,42 @@ TEST_CASE_TEMPLATE("one-chunk calls add dW tiles straight into a narrower grad_w
   check_against_reference(accumulated, p, g, hg, pre);
   CHECK(chunked.held_workspace_bytes() - sweep_bytes(make_options(1.0f, 0.0f, 7)) >= accumulator);
   CHECK(chunked.workspace_bytes(p.n, p.h, p.v) == chunked.held_workspace_bytes());
+}
+
+// A provider that never rounds dW into a bf16 grad_weight itself: the host then sums each
+// tile in fp32 scratch and adds it in a pass of its own.
+struct cblas_gemm_without_rounding_into : lce::cblas_gemm {
+  bool gemm_into_bf16_available() const { return false; }
+};
+
+// On the AMX kernel, a bf16 grad_weight's dW tiles are rounded into it as they leave the
+// tiles (no scratch): bit for bit what the fp32 tiles added in give, in the token order (one
+// chunk) and the vocabulary order (the budget alone), on 1 and 3 threads; and the workspace
+// is smaller by the tiles.
+TEST_CASE("a bf16 grad_weight: dW tiles rounded in by the AMX kernel equal fp32 tiles added in, bit for bit") {
+  if (!lce::detail::amx_bf16_gemm_available()) {
+    MESSAGE("skipped: no AMX tiles on this CPU (or OS), so no provider rounds into grad_weight here");
+    return;
+  }
+  using T = lce::bfloat16;
+  using scratch_host = lce::basic_host<cblas_gemm_without_rounding_into>;
+  const narrow_gradient_case<T> c(300, 64, 5000, 41);
+  const auto& [p, g, hg, pre, accumulator] = c;
+  for (const std::int64_t chunk : {p.n, std::int64_t{0}}) {
+    CAPTURE(chunk);
+    const lce::options opt = make_options(1.0f, 0.0f, chunk);
+    for (const int threads : {1, 3}) {
+      CAPTURE(threads);
+      auto rounded_in = make_op<T>(opt, threads);
+      lce::ChunkedHiddenToLogprobs<lce::comm::single, T, lce::budget_chunk, scratch_host> added_in(
+          lce::comm::single{}, opt, scratch_host(threads));
+      const auto direct = exercise<T, T>(rounded_in, p, g, hg, pre);
+      check_against_reference(direct, p, g, hg, pre);
+      const auto diff = exercise<T, T>(added_in, p, g, hg, pre).bitwise_diff(direct);
+      CHECK_MESSAGE(diff.empty(), "rounded in vs added in: " << diff);
+      CHECK(rounded_in.workspace_bytes(p.n, p.h, p.v) < added_in.workspace_bytes(p.n, p.h, p.v));
+    }
+  }
 }
 
 // The host's float -> bf16 spans (dz's rounding, a 2-byte grad_weight's sums)

@@ -650,9 +650,11 @@ class engine {
           const checked_size dw_bytes = weight_gradient_scratch_bytes<G>(gradient, in.hidden.cols, in.weight.rows);
           expects(!dw_bytes.overflow, "grad_weight: the fp32 scratch of its dW for vocab_local ", in.weight.rows,
                   " x hidden ", in.hidden.cols, " needs more bytes than size_t holds");
-          call.weight_gradient_scratch = static_cast<Compute*>(weight_gradient_.reserve(
-              backend_, dw_bytes.value,
-              call.tiles_into_grad_weight ? "grad_weight (fp32 tiles of it)" : "grad_weight (its fp32 accumulator)"));
+          // None where the backend rounds its dW tiles into grad_weight itself (then told so by a null scratch).
+          if (dw_bytes.value > 0)
+            call.weight_gradient_scratch = static_cast<Compute*>(weight_gradient_.reserve(
+                backend_, dw_bytes.value,
+                call.tiles_into_grad_weight ? "grad_weight (fp32 tiles of it)" : "grad_weight (its fp32 accumulator)"));
         } else {
           const auto order = direct_plan_for<GradWeight>(kind, in.tokens(), in.hidden.cols, in.weight.rows, in.set_size);
           call.plan = order.plan;
@@ -799,11 +801,17 @@ class engine {
   // One dW tile of the backend's, in compute-type elements, for GEMMs of at most `tokens` rows of dz.
   template <class GradWeight>
   std::size_t weight_gradient_tile_elements(std::int64_t hidden, std::int64_t vocab_local, std::int64_t tokens) const {
-    if constexpr (backend_adds_weight_gradient_tiles<GradWeight>)
+    if constexpr (!backend_adds_weight_gradient_tiles<GradWeight>)
+      return 0;
+    else if constexpr (requires {
+                         backend_.template weight_gradient_tile_elements<Compute, Operand, GradWeight>(hidden, vocab_local,
+                                                                                                   tokens);
+                       })
+      return static_cast<std::size_t>(
+          backend_.template weight_gradient_tile_elements<Compute, Operand, GradWeight>(hidden, vocab_local, tokens));
+    else
       return static_cast<std::size_t>(
           backend_.template weight_gradient_tile_elements<Compute>(hidden, vocab_local, tokens));
-    else
-      return 0;
   }
 
   template <class GradWeight>

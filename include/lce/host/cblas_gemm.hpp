@@ -19,6 +19,7 @@
 
 #include <concepts>
 #include <cstdint>
+#include <vector>
 
 LCE_BEGIN_NAMESPACE
 
@@ -54,6 +55,37 @@ struct cblas_gemm {
                        std::int64_t ldc) const {
     detail::amx_split_bf16_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
+
+  // The GEMMs above into a bf16 C (gemm_provider.hpp): lce's AMX kernel rounds each 32 x 32
+  // block into C as its sum leaves the tiles.
+  bool gemm_into_bf16_available() const { return split_bf16_gemm_available(); }
+
+  void bf16_gemm_into_bf16(transpose ta, transpose tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
+                           const bfloat16* a, std::int64_t lda, const bfloat16* b, std::int64_t ldb, bfloat16* c,
+                           std::int64_t ldc) const {
+    if (gemm_into_bf16_available()) return detail::amx_bf16_gemm_into_bf16(ta, tb, m, n, k, alpha, a, lda, b, ldb, c, ldc);
+    round_sum_into(m, n, c, ldc, [&](float* sum) { bf16_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, 0.0f, sum, n); });
+  }
+
+  void split_bf16_gemm_into_bf16(transpose ta, transpose tb, std::int64_t m, std::int64_t n, std::int64_t k,
+                                 float alpha, const float* a, std::int64_t lda, const float* b, std::int64_t ldb,
+                                 bfloat16* c, std::int64_t ldc) const {
+    if (gemm_into_bf16_available()) return detail::amx_bf16_gemm_into_bf16(ta, tb, m, n, k, alpha, a, lda, b, ldb, c, ldc);
+    round_sum_into(m, n, c, ldc, [&](float* sum) { split_bf16_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, 0.0f, sum, n); });
+  }
+
+ protected:
+  // c = bf16(c + sum), the fp32 sum written by `gemm` into a buffer of its own (no AMX here:
+  // lce then keeps its dW tiles in its workspace and does not call these).
+  template <class Gemm>
+  static void round_sum_into(std::int64_t m, std::int64_t n, bfloat16* c, std::int64_t ldc, Gemm&& gemm) {
+    if (m <= 0 || n <= 0) return;
+    std::vector<float> sum(static_cast<std::size_t>(m * n));
+    gemm(sum.data());
+    for (std::int64_t i = 0; i < m; ++i)
+      for (std::int64_t j = 0; j < n; ++j)
+        c[i * ldc + j] = bfloat16(static_cast<float>(c[i * ldc + j]) + sum[static_cast<std::size_t>(i * n + j)]);
+  }
 };
 
 // cblas_gemm with bf16_operands (gemm_provider.hpp): a bfloat16 operator runs all three
@@ -74,11 +106,19 @@ struct cblas_gemm_bf16_operands : cblas_gemm {
     detail::widening_bf16_gemm(
         [](auto... args) { detail::gemm(args...); }, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
+
+  void bf16_gemm_into_bf16(transpose ta, transpose tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
+                           const bfloat16* a, std::int64_t lda, const bfloat16* b, std::int64_t ldb, bfloat16* c,
+                           std::int64_t ldc) const {
+    if (gemm_into_bf16_available()) return detail::amx_bf16_gemm_into_bf16(ta, tb, m, n, k, alpha, a, lda, b, ldb, c, ldc);
+    round_sum_into(m, n, c, ldc, [&](float* sum) { bf16_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, 0.0f, sum, n); });
+  }
 };
 
 static_assert(gemm_provider<cblas_gemm>);
 static_assert(bf16_gemm_provider<cblas_gemm>);
 static_assert(split_bf16_gemm_provider<cblas_gemm>);
+static_assert(bf16_into_bf16_gemm_provider<cblas_gemm> && split_bf16_into_bf16_gemm_provider<cblas_gemm>);
 static_assert(gemm_reads_bf16_operands<cblas_gemm_bf16_operands>);
 
 LCE_END_NAMESPACE

@@ -303,9 +303,11 @@ class basic_host {
   // (rounded_tile_rows; from the shapes alone) per slot, one slot per worker
   // (the provider's own threads count as one). `tokens`: the most rows of dz
   // one call passes.
-  template <class A>
-  static constexpr std::int64_t weight_gradient_tile_elements(std::int64_t hidden, std::int64_t vocab_local,
-                                                              std::int64_t tokens) {
+  // None where the tiles go straight into a bf16 grad_weight (rounds_weight_gradient_into): O is
+  // the GEMM operand type, G grad_weight's element.
+  template <class A, class O = A, class G = A>
+  std::int64_t weight_gradient_tile_elements(std::int64_t hidden, std::int64_t vocab_local, std::int64_t tokens) const {
+    if (rounds_weight_gradient_into<A, O, G>(tokens)) return 0;
     const std::int64_t rows = rounded_tile_rows<A>(hidden, vocab_local, tokens);
     return hidden > INT64_MAX / rows ? INT64_MAX : rows * hidden;  // saturates
   }
@@ -313,13 +315,33 @@ class basic_host {
 
   // dw += alpha dz^T x into a dw of another element type (adds_weight_gradient_tiles):
   // each tile of vocabulary rows is one GEMM into the worker's scratch, then
-  // added into dw while in cache. Tiles from the shapes alone, as above.
+  // added into dw while in cache. Tiles from the shapes alone, as above. A
+  // bf16 dw whose tiles the provider rounds in itself (rounds_weight_gradient_into;
+  // `scratch` then null) takes them straight, with the same bits.
   template <class O, class A, class G, class W = A>
     requires(!std::same_as<A, G>)
   void grad_weight(matrix_view<const O> dz, matrix_view<const O> x, A alpha, matrix_view<G> dw, A* scratch,
                    weight_element<W> = {}) {
-    const std::int64_t tile = rounded_tile_rows<A>(x.cols, dz.cols, dz.rows), h = x.cols;
     [[maybe_unused]] const provider_scope scope;
+    if constexpr (into_bf16_weight_gradient<A, O, G>) {
+      if (!scratch || rounds_weight_gradient_into<A, O, G>(dz.rows)) {
+        // No scratch to size, so tiles for the threads alone: the bits do not depend on them
+        // (each element's sum runs over the tokens only, in one depth block).
+        const std::int64_t tile = std::clamp<std::int64_t>(
+            detail::ceil_div(detail::ceil_div(dz.cols, std::max(1, threads())), 32) * 32, 128, 512);
+        for_gemm_tiles(detail::ceil_div(dz.cols, tile), [&](std::int64_t t) {
+          const std::int64_t first = t * tile, rows = std::min(tile, dz.cols - first);
+          if constexpr (std::same_as<O, bfloat16>)
+            gemm_.bf16_gemm_into_bf16(transpose::yes, transpose::no, rows, x.cols, dz.rows, alpha, dz.data + first,
+                                      dz.ld, x.data, x.ld, dw.row(first), dw.ld);
+          else
+            gemm_.split_bf16_gemm_into_bf16(transpose::yes, transpose::no, rows, x.cols, dz.rows, alpha,
+                                            dz.data + first, dz.ld, x.data, x.ld, dw.row(first), dw.ld);
+        });
+        return;
+      }
+    }
+    const std::int64_t tile = rounded_tile_rows<A>(x.cols, dz.cols, dz.rows), h = x.cols;
     for_gemm_tiles_by_worker(detail::ceil_div(dz.cols, tile), [&](std::int64_t t, int worker) {
       const std::int64_t first = t * tile, rows = std::min(tile, dz.cols - first);
       A* sum = scratch + static_cast<std::int64_t>(worker) * tile * h;
@@ -691,6 +713,29 @@ class basic_host {
    private:
     std::int64_t last_row_ = 0, last_col_ = 0;
   };
+
+  // Whether the provider can round dW tiles into a bf16 grad_weight itself: bf16 operands
+  // (bf16_gemm_into_bf16), or dz in fp32 split as it is packed and the hidden rows as floats
+  // holding bf16 values (split_bf16_gemm_into_bf16; a bf16 grad_weight means a bf16 weight).
+  template <class A, class O, class G>
+  static constexpr bool into_bf16_weight_gradient =
+      std::same_as<A, float> && std::same_as<G, bfloat16> &&
+      ((std::same_as<O, bfloat16> && bf16_into_bf16_gemm_provider<Gemm>) ||
+       (std::same_as<O, float> && split_bf16_into_bf16_gemm_provider<Gemm>));
+
+  // Whether dW tiles of at most `tokens` rows of dz go straight into a bf16 grad_weight now: the
+  // provider runs it well here and the tokens fit one of its depth blocks (the sum is rounded once).
+  template <class A, class O, class G>
+  bool rounds_weight_gradient_into(std::int64_t tokens) const {
+    if constexpr (into_bf16_weight_gradient<A, O, G>) {
+      if (tokens > max_depth_rounded_into_bf16 || !gemm_.gemm_into_bf16_available()) return false;
+      if constexpr (std::same_as<O, float>) return gemm_.split_bf16_gemm_available();
+      return true;
+    } else {
+      return false;
+    }
+  }
+  static constexpr std::int64_t max_depth_rounded_into_bf16 = 1024;
 
   template <class A, class T>
   static constexpr bool bf16_weight =

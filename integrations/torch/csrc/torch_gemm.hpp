@@ -48,6 +48,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace lce_torch {
 
@@ -220,6 +221,25 @@ struct torch_gemm {
     mkl.set_threads_local(previous);
   }
 
+  // bf16_gemm into a bf16 C (gemm_provider.hpp): lce's AMX kernel rounds dW's tiles into a
+  // bfloat16 grad_weight as they leave the tiles, so lce keeps no fp32 tiles for them. MKL's
+  // GEMM has no bf16 C: there lce keeps its tiles (available() is false), and a call made all
+  // the same (the kernel changed mid-call) sums into a buffer of its own first.
+  bool gemm_into_bf16_available() const { return detail::choose_bf16_kernel() == detail::bf16_kernel::amx; }
+
+  void bf16_gemm_into_bf16(lce::transpose ta, lce::transpose tb, std::int64_t m, std::int64_t n, std::int64_t k,
+                           float alpha, const lce::bfloat16* a, std::int64_t lda, const lce::bfloat16* b,
+                           std::int64_t ldb, lce::bfloat16* c, std::int64_t ldc) const {
+    if (gemm_into_bf16_available())
+      return lce::detail::amx_bf16_gemm_into_bf16(ta, tb, m, n, k, alpha, a, lda, b, ldb, c, ldc);
+    if (m <= 0 || n <= 0) return;
+    std::vector<float> sum(static_cast<std::size_t>(m * n));
+    bf16_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, 0.0f, sum.data(), n);
+    for (std::int64_t i = 0; i < m; ++i)
+      for (std::int64_t j = 0; j < n; ++j)
+        c[i * ldc + j] = lce::bfloat16(static_cast<float>(c[i * ldc + j]) + sum[static_cast<std::size_t>(i * n + j)]);
+  }
+
   // What runs the fp32/fp64 GEMMs when it is not lce's BLAS ("" when it is), for blas_info.
   static std::string full_precision_description() {
     const auto& mkl = detail::torch_mkl::get();
@@ -281,7 +301,8 @@ struct torch_widening_gemm {
 
 inline bool bf16_gemm_widens() { return detail::choose_bf16_kernel() == detail::bf16_kernel::widen; }
 
-static_assert(lce::gemm_provider<torch_gemm> && lce::gemm_reads_bf16_operands<torch_gemm>);
+static_assert(lce::gemm_provider<torch_gemm> && lce::gemm_reads_bf16_operands<torch_gemm> &&
+              lce::bf16_into_bf16_gemm_provider<torch_gemm>);
 static_assert(lce::gemm_provider<torch_widening_gemm> && !lce::bf16_gemm_provider<torch_widening_gemm>);
 
 }  // namespace lce_torch

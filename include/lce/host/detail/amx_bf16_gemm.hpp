@@ -365,6 +365,26 @@ LCE_AMX_TARGET inline void multiply_steps(const a_tiles& a, const u16* b0, const
   }
 }
 
+// C[0:rows, 0:cols] = bf16(C + alpha block), C bf16 (u16 bits), block 32 x 32 row-major: each
+// element widened, added to in fp32 and rounded once, as detail::add_span adds an fp32 sum
+// into a bfloat16 span (so the two give the same bits).
+LCE_AMX_TARGET inline void round_block_into(const float* block, std::int64_t rows, std::int64_t cols, float alpha,
+                                            u16* c, std::int64_t ldc) {
+  const __m512 va = _mm512_set1_ps(alpha);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    for (std::int64_t j = 0; j < cols; j += 16) {
+      const std::int64_t left = cols - j;
+      const __mmask16 mask = left >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+      __m512 v = _mm512_loadu_ps(block + r * 32 + j);
+      if (alpha != 1.0f) v = _mm512_mul_ps(va, v);
+      u16* const out = c + r * ldc + j;
+      const __m512i old_bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, out));
+      v = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(old_bits, 16)), v);
+      _mm256_mask_storeu_epi16(out, mask, to_bf16(v));
+    }
+  }
+}
+
 // C[0:rows, 0:cols] = alpha block + beta C (beta = 0: C is not read), block 32 x 32 row-major.
 LCE_AMX_TARGET inline void add_block(const float* block, std::int64_t rows, std::int64_t cols, float alpha, float beta,
                                      float* c, std::int64_t ldc) {
@@ -419,6 +439,8 @@ struct thread_scratch {
 // Packed B's columns are capped so that it and packed A stay within this per thread,
 // whatever the shapes (amx_bf16_gemm_scratch_bytes).
 inline constexpr std::int64_t packed_b_bytes_max = 1088 * 1024;
+// The deepest k that a bf16 C takes (one depth block, so that each element's sum is rounded once).
+inline constexpr std::int64_t max_depth = 1024;
 inline constexpr std::int64_t kib = 512;  // u16 elements in 1 KiB
 
 // How one call is cut: depth blocks of `depth` k (a multiple of 32) and column blocks of
@@ -434,10 +456,15 @@ struct blocking {
   static constexpr std::int64_t packed_b_target = std::int64_t{1} << 19;  // elements: 1 MiB of packed B
   static constexpr std::int64_t c_in_l2 = std::int64_t{1} << 18;          // fp32 elements of C: 1 MiB
 
-  static blocking choose(std::int64_t m, std::int64_t n, std::int64_t k, bool a_in_place) {
+  static blocking choose(std::int64_t m, std::int64_t n, std::int64_t k, bool a_in_place, bool one_depth_block = false) {
     const std::int64_t n32 = (n + 31) / 32 * 32, k32 = (k + step - 1) / step * step;
     std::int64_t depth = 0, columns = 0;
-    if (!a_in_place) {
+    if (one_depth_block) {
+      // A bf16 C is rounded once, from the whole sum (k <= max_depth): all of k in one
+      // block, as many columns as 1 MiB of packed B holds.
+      depth = k32;
+      columns = std::clamp<std::int64_t>(packed_b_target / depth / 32 * 32, 32, n32);
+    } else if (!a_in_place) {
       // A is packed per row block and column block: as many columns as 1 MiB of packed B
       // holds, so that A is packed once for all of them where it can be.
       depth = std::min<std::int64_t>(k32, 1024);
@@ -478,11 +505,13 @@ struct blocking {
 
 // C[m, n] = alpha A[m, k] B[k, n] + beta C, A and B by their strides, C row-major with ldc.
 // A of floats is taken as two bf16 parts, hi + lo, each multiplied by the same packed B
-// (split); B of floats must hold bf16 values (rounded as packed).
-template <class AElement, class BElement>
+// (split); B of floats must hold bf16 values (rounded as packed). A C of bf16 (u16 bits) gets
+// bf16(C + alpha A B) (beta ignored) and needs k <= max_depth.
+template <class AElement, class BElement, class CElement = float>
 LCE_AMX_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, strided_of<AElement> a,
-                                strided_of<BElement> b, float beta, float* c, std::int64_t ldc) {
+                                strided_of<BElement> b, float beta, CElement* c, std::int64_t ldc) {
   constexpr bool split = std::is_same_v<AElement, float>;
+  constexpr bool rounds_into_bf16 = std::is_same_v<CElement, u16>;
   // A is read in place when k runs along memory, unless its rows alias in L1: at a row
   // stride that is a multiple of 512 bytes (H = 1,024 in bf16 is 2 KiB) a tile's 16 rows
   // fall in at most 8 of L1's 64 sets, and two tiles overflow its 12 ways. Packed, the
@@ -490,12 +519,12 @@ LCE_AMX_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int64_t k, 
   // one thread instead of 575-619. A split A is always packed.
   bool a_in_place = false;
   if constexpr (!split) a_in_place = a.col == 1 && (a.row * 2) % 512 != 0;
-  const blocking cut = blocking::choose(m, n, k, a_in_place);
+  const blocking cut = blocking::choose(m, n, k, a_in_place, rounds_into_bf16);
   const std::int64_t panels = cut.columns / 32;
   // Whole 32 x 32 blocks of C with alpha = 1 and beta 0 or 1 go to and from the tiles as they
   // are; other blocks (ragged edges, alpha != 1) go through `block` and are added into C
   // after each depth block (alpha times the block's sum, plus beta C after the first).
-  const bool c_in_place_allowed = alpha == 1.0f && (beta == 0.0f || beta == 1.0f);
+  const bool c_in_place_allowed = !rounds_into_bf16 && alpha == 1.0f && (beta == 0.0f || beta == 1.0f);
   u16* const b_pack = thread_scratch::get<0>(static_cast<std::size_t>(cut.packed_b_elements()));
   // A split: lo's two halves one panel stride after hi's, at the same offsets modulo 4 KiB.
   u16* const a_pack = thread_scratch::get<1>(
@@ -550,12 +579,14 @@ LCE_AMX_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int64_t k, 
         for (std::int64_t p = 0; p < these_panels; ++p) {
           const std::int64_t col = n0 + p * 32;
           const bool c_in_place = c_in_place_allowed && rows == 32 && n - col >= 32;
-          float* const c_block = c + m0 * ldc + col;
+          CElement* const c_block = c + m0 * ldc + col;
           // In place, the tiles start from C's sum so far (beta = 1, or a later depth block);
           // otherwise from zero, this depth block's sum going through `block`.
-          if (c_in_place && (!first || beta == 1.0f)) {
-            load_c_tiles(c_block, ldc);
-          } else {
+          const bool from_c = c_in_place && (!first || beta == 1.0f);
+          if constexpr (!rounds_into_bf16) {
+            if (from_c) load_c_tiles(c_block, ldc);
+          }
+          if (!from_c) {
             _tile_zero(0);
             _tile_zero(1);
             _tile_zero(2);
@@ -571,7 +602,10 @@ LCE_AMX_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int64_t k, 
             multiply_steps(packed, b0, b1, steps);
             if constexpr (split) multiply_steps(packed_lo, b0, b1, steps);
           }
-          if (c_in_place) {
+          if constexpr (rounds_into_bf16) {
+            store_c_tiles(block, 32);
+            round_block_into(block, rows, std::min<std::int64_t>(32, n - col), alpha, c_block, ldc);
+          } else if (c_in_place) {
             store_c_tiles(c_block, ldc);
           } else {
             store_c_tiles(block, 32);
@@ -642,6 +676,37 @@ inline void amx_split_bf16_gemm(transpose ta, transpose tb, std::int64_t m, std:
   amx::gemm(m, n, k, alpha, a_view, b_view, beta, c, ldc);
 }
 
+// bf16 C[m, n] = bf16(C + alpha op(A) op(B)) on AMX tiles, k <= amx::max_depth: each element's
+// products summed in fp32 in one depth block, times alpha, added to C widened to fp32 and
+// rounded once to nearest even (the bits of this kernel's fp32 C with beta 0 followed by
+// detail::add_span). For dW tiles straight into a bf16 grad_weight, without an fp32 tile.
+// A is bf16, or fp32 split as hi + lo (as amx_split_bf16_gemm); B bf16, or fp32 holding
+// bf16 values.
+template <class AElement, class BElement>
+  requires(std::same_as<AElement, bfloat16> || std::same_as<AElement, float>) &&
+          (std::same_as<BElement, bfloat16> || std::same_as<BElement, float>)
+inline void amx_bf16_gemm_into_bf16(transpose ta, transpose tb, std::int64_t m, std::int64_t n, std::int64_t k,
+                                    float alpha, const AElement* a, std::int64_t lda, const BElement* b,
+                                    std::int64_t ldb, bfloat16* c, std::int64_t ldc) {
+  if (m <= 0 || n <= 0 || k <= 0) return;  // C + 0
+  using A = std::conditional_t<std::same_as<AElement, float>, float, std::uint16_t>;
+  using B = std::conditional_t<std::same_as<BElement, float>, float, std::uint16_t>;
+  const auto* aa = reinterpret_cast<const A*>(a);
+  const auto* bb = reinterpret_cast<const B*>(b);
+  const amx::strided_of<A> a_view = ta == transpose::no ? amx::strided_of<A>{aa, lda, 1} : amx::strided_of<A>{aa, 1, lda};
+  const amx::strided_of<B> b_view = tb == transpose::no ? amx::strided_of<B>{bb, ldb, 1} : amx::strided_of<B>{bb, 1, ldb};
+  if (k <= amx::max_depth) {
+    amx::gemm(m, n, k, alpha, a_view, b_view, 0.0f, reinterpret_cast<std::uint16_t*>(c), ldc);
+    return;
+  }
+  // Deeper: the fp32 sum in a buffer of its own, then added in (lce's host backend does not
+  // call it so: it keeps deeper dW tiles in its workspace).
+  std::unique_ptr<float[]> sum(new float[static_cast<std::size_t>(m * n)]);
+  amx::gemm(m, n, k, alpha, a_view, b_view, 0.0f, sum.get(), n);
+  for (std::int64_t i = 0; i < m; ++i)
+    for (std::int64_t j = 0; j < n; ++j) c[i * ldc + j] = bfloat16(static_cast<float>(c[i * ldc + j]) + sum[i * n + j]);
+}
+
 #pragma GCC diagnostic pop
 #undef LCE_AMX_TARGET
 
@@ -660,6 +725,13 @@ inline void amx_bf16_gemm(transpose, transpose, std::int64_t, std::int64_t, std:
 template <class BElement>
 inline void amx_split_bf16_gemm(transpose, transpose, std::int64_t, std::int64_t, std::int64_t, float, const float*,
                                 std::int64_t, const BElement*, std::int64_t, float, float*, std::int64_t) {
+  std::abort();
+}
+
+template <class AElement, class BElement>
+inline void amx_bf16_gemm_into_bf16(transpose, transpose, std::int64_t, std::int64_t, std::int64_t, float,
+                                    const AElement*, std::int64_t, const BElement*, std::int64_t, bfloat16*,
+                                    std::int64_t) {
   std::abort();
 }
 
