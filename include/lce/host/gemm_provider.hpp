@@ -78,7 +78,7 @@
 // times alpha, added to c widened to fp32 and rounded once to nearest even (A split as
 // hi + lo in the second form, B holding bf16 values). Where gemm_into_bf16_available()
 // says it runs well here, lce writes the dW tiles of a bfloat16 grad_weight with it,
-// k <= 1,024 (the tokens of one call's dz block), instead of summing each tile in fp32
+// k <= 512 (the tokens of one call's dz block), instead of summing each tile in fp32
 // scratch of its workspace and adding that in a pass of its own: the same bits, with
 // neither the scratch nor the pass. It must give that result whenever it is called.
 //
