@@ -18,6 +18,7 @@
 #include "cases/edge_cases.hpp"
 #include "cases/error_cases.hpp"
 #include "cases/forward_cases.hpp"
+#include "cases/overwrite_cases.hpp"
 #include "cases/target_set_cases.hpp"
 #include "cases/vocabulary_order_cases.hpp"
 
@@ -82,6 +83,16 @@ TEST_CASE_TEMPLATE("cuda: target sets: backward and forward_backward match the m
 TEST_CASE_TEMPLATE("cuda: vocabulary order: forward, backward with entropy and forward_backward equal the reference",
                    T, lce::bfloat16, lce::float16) {
   cases::vocabulary_order::matches_reference<cuda_env, T>();
+}
+
+TEST_CASE_TEMPLATE("cuda: overwrite_weight_gradients: grad_weight written over (NaN before) on every path", T,
+                   LCE_CUDA_TYPES) {
+  cases::overwrite::matches_reference<cuda_env, T>();
+}
+
+TEST_CASE_TEMPLATE("cuda: overwrite_weight_gradients: grad_bias too, and a call with no tokens zeroes both", T,
+                   LCE_CUDA_TYPES) {
+  cases::overwrite::bias_and_empty_calls<cuda_env, T>();
 }
 
 TEST_CASE_TEMPLATE("cuda: with_bias: forward, backward and forward_backward equal the head with the bias as a column",

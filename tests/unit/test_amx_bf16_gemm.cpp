@@ -192,11 +192,12 @@ TEST_CASE("AMX bf16 GEMM: lce_torch's shapes (logits into a wide C, dX over the 
   CHECK(run({96, 1000, 1024, transpose::yes, transpose::no, 1.0f, 1.0f}, rng) <= 1.0);
 }
 
-// amx_bf16_gemm_into_bf16: C in bf16 gets bf16(C + alpha A B). Against two references:
-// bit for bit, the kernel's own fp32 GEMM (beta 0) followed by a scalar rounded add (the
-// host's scratch path), where that GEMM sums k in one depth block too; and, at any depth,
-// a double sum: the result within fp32 accumulation's bound plus half an ulp of bf16 of
-// C + alpha A B. C's padding columns stay as they were.
+// amx_bf16_gemm_into_bf16: C in bf16 gets bf16(alpha A B + beta C), beta 1 or 0 (C then
+// NaN: not read). Against two references: bit for bit, the kernel's own fp32 GEMM (beta 0)
+// followed by a scalar rounded add or copy (the host's scratch path), where that GEMM sums
+// k in one depth block too; and, at any depth, a double sum: the result within fp32
+// accumulation's bound plus half an ulp of bf16 of alpha A B + beta C. C's padding columns
+// stay as they were.
 template <class AElement, class BElement>
 void check_into_bf16(const problem& p, std::mt19937& rng) {
   const bool at = p.ta == transpose::yes, bt = p.tb == transpose::yes;
@@ -207,9 +208,13 @@ void check_into_bf16(const problem& p, std::mt19937& rng) {
   for (auto& x : a) x = static_cast<AElement>(std::same_as<AElement, float> ? value(rng) : static_cast<float>(bfloat16(value(rng))));
   for (auto& x : b) x = static_cast<BElement>(static_cast<float>(bfloat16(value(rng))));
   std::vector<bfloat16> c(static_cast<std::size_t>(p.m * ldc));
-  for (auto& x : c) x = bfloat16(value(rng) * 8.0f);
+  for (std::int64_t i = 0; i < p.m; ++i)
+    for (std::int64_t j = 0; j < ldc; ++j)
+      c[static_cast<std::size_t>(i * ldc + j)] =
+          bfloat16(p.beta == 0.0f && j < p.n ? std::numeric_limits<float>::quiet_NaN() : value(rng) * 8.0f);
   const std::vector<bfloat16> before = c;
-  lce::detail::amx_bf16_gemm_into_bf16(p.ta, p.tb, p.m, p.n, p.k, p.alpha, a.data(), lda, b.data(), ldb, c.data(), ldc);
+  lce::detail::amx_bf16_gemm_into_bf16(p.ta, p.tb, p.m, p.n, p.k, p.alpha, a.data(), lda, b.data(), ldb, p.beta,
+                                       c.data(), ldc);
 
   // The fp32 GEMM's one depth block: k <= 512, or one column block of packed B (see blocking::choose).
   if (p.k <= 512 || p.n <= 512) {
@@ -223,8 +228,8 @@ void check_into_bf16(const problem& p, std::mt19937& rng) {
     std::int64_t differing = 0;
     for (std::int64_t i = 0; i < p.m; ++i)
       for (std::int64_t j = 0; j < p.n; ++j) {
-        const bfloat16 expected(static_cast<float>(before[static_cast<std::size_t>(i * ldc + j)]) +
-                                sum[static_cast<std::size_t>(i * p.n + j)]);
+        const float s = sum[static_cast<std::size_t>(i * p.n + j)];
+        const bfloat16 expected(p.beta == 0.0f ? s : static_cast<float>(before[static_cast<std::size_t>(i * ldc + j)]) + s);
         differing += expected.bits != c[static_cast<std::size_t>(i * ldc + j)].bits;
       }
     CHECK(differing == 0);
@@ -252,16 +257,17 @@ void check_into_bf16(const problem& p, std::mt19937& rng) {
         sum += a_at(i, q) * b_at(q, j);
         magnitude += std::fabs(a_at(i, q) * b_at(q, j));
       }
-      const double expected = static_cast<double>(static_cast<float>(old)) + p.alpha * sum;
+      const double c_term = p.beta == 0.0f ? 0.0 : static_cast<double>(static_cast<float>(old));
+      const double expected = c_term + p.alpha * sum;
       const double bound = static_cast<double>(parts * p.k + 3) * std::ldexp(1.0, -24) *
-                               (std::fabs(p.alpha) * magnitude + std::fabs(static_cast<float>(old))) +
+                               (std::fabs(p.alpha) * magnitude + std::fabs(c_term)) +
                            std::ldexp(std::fabs(expected), -8) + std::numeric_limits<float>::denorm_min();
       worst = std::max(worst, std::fabs(static_cast<float>(got) - expected) / bound);
     }
   CHECK(worst <= 1.0);
 }
 
-TEST_CASE("AMX GEMM into a bf16 C: bf16(C + alpha A B), the bits of the fp32 GEMM and a rounded add") {
+TEST_CASE("AMX GEMM into a bf16 C: bf16(alpha A B + beta C), the bits of the fp32 GEMM and a rounded add or copy") {
   if (!amx_runs_here()) return;
   std::mt19937 rng(2028);
   // Ragged and whole blocks, one step, a whole 1,024-deep block over more columns than packed B
@@ -272,20 +278,22 @@ TEST_CASE("AMX GEMM into a bf16 C: bf16(C + alpha A B), the bits of the fp32 GEM
   for (const auto& shape : shapes)
     for (const transpose ta : both)
       for (const transpose tb : both)
-        for (const float alpha : {1.0f, -0.375f}) {
-          const problem p{shape[0], shape[1], shape[2], ta, tb, alpha, 0.0f};
+        for (const auto& [alpha, beta] : {std::pair{1.0f, 1.0f}, std::pair{-0.375f, 1.0f}, std::pair{1.0f, 0.0f},
+                                          std::pair{0.5f, 0.0f}}) {
+          const problem p{shape[0], shape[1], shape[2], ta, tb, alpha, beta};
           CAPTURE(p.m);
           CAPTURE(p.n);
           CAPTURE(p.k);
           CAPTURE(ta == transpose::yes);
           CAPTURE(tb == transpose::yes);
           CAPTURE(alpha);
+          CAPTURE(beta);
           check_into_bf16<bfloat16, bfloat16>(p, rng);
           check_into_bf16<float, float>(p, rng);
         }
   // dW tiles as lce::host takes them: dz^T (transposed) against the hidden rows, 512 x 1,024 at N = 256 / 1,024.
-  check_into_bf16<bfloat16, bfloat16>({512, 1024, 256, transpose::yes, transpose::no, 1.0f, 0.0f}, rng);
-  check_into_bf16<float, float>({128, 1024, 1024, transpose::yes, transpose::no, 1.0f, 0.0f}, rng);
+  check_into_bf16<bfloat16, bfloat16>({512, 1024, 256, transpose::yes, transpose::no, 1.0f, 1.0f}, rng);
+  check_into_bf16<float, float>({128, 1024, 512, transpose::yes, transpose::no, 1.0f, 0.0f}, rng);
 }
 
 TEST_CASE("AMX bf16 GEMM: an empty C or depth") {

@@ -100,6 +100,22 @@ concept rounds_accumulated_weight_gradient =
       b.grad_weight(operand, operand, alpha, dw, alpha, round_into);
     };
 
+// How a backend's dW meets a grad_weight of another element type: added into it, or
+// written over it (options.overwrite_weight_gradients).
+enum class weight_gradient_write : bool { add = false, overwrite = true };
+
+// Optional, with adds_weight_gradient_tiles and rounds_accumulated_weight_gradient: the
+// same two calls with a trailing weight_gradient_write, which with `overwrite` write each
+// row of grad_weight they reach (the tiles, or round_into) instead of adding into it. Each
+// row is reached by one call of a sweep, so grad_weight is then never read. Without them,
+// the engine zeroes such a grad_weight before the sweep and adds.
+template <class B, class O, class A, class G>
+concept overwrites_weight_gradient =
+    requires(B& b, matrix_view<const O> operand, matrix_view<G> dw, matrix_view<A> accumulator, A alpha, A* scratch) {
+      b.grad_weight(operand, operand, alpha, dw, scratch, weight_gradient_write::overwrite);
+      b.grad_weight(operand, operand, alpha, accumulator, alpha, dw, weight_gradient_write::overwrite);
+    };
+
 // The most bytes of logits a block of the vocabulary order (see
 // adds_grad_hidden) holds, beside the workspace budget. The bound is for
 // speed: on the host the block's row passes then run near the cache, which

@@ -16,6 +16,9 @@ struct options {
   bool sequence_parallel = false;      // hidden rows sharded across the communicator
   std::int64_t chunk_tokens = 0;       // 0: chosen by the chunk policy
   std::size_t workspace_limit_bytes = std::size_t{256} << 20;
+  // false: grad_weight and grad_bias accumulate (+=); true: a call overwrites them with its own
+  // gradients, neither reading nor keeping what they held (no zeroing beforehand)
+  bool overwrite_weight_gradients = false;
 };
 
 LCE_END_NAMESPACE

@@ -275,9 +275,9 @@ class engine {
                      {bytes_of(grad_hidden, "grad_hidden"), bytes_of(grad_weight, "grad_weight"),
                       bytes_of(grad_bias, "grad_bias")});
     });
-    if (in.targets.size == 0) return;
+    if (in.targets.size == 0) return zero_weight_gradients_of_empty_call(grad_weight, grad_bias);
     [[maybe_unused]] const auto backend_call = begin_backend_call();
-    const auto weight_gradient = begin_weight_gradient(call, grad_weight);
+    const auto weight_gradient = begin_weight_gradient(call, in.hidden.rows, grad_weight, grad_bias);
     sweep_type sweep(comm_, backend_, options_, call.plan, call.workspace, call.vocab);
     if (call.vocab_tile > 0) {
       if constexpr (backend_sweeps_vocabulary_tiles<GradWeight>) {
@@ -349,9 +349,9 @@ class engine {
                                                bytes_of(grad_weight, "grad_weight"), bytes_of(grad_bias, "grad_bias")});
                                 check_gradients(in, grad_hidden, grad_weight, grad_bias);
                               });
-    if (in.targets.size == 0) return;
+    if (in.targets.size == 0) return zero_weight_gradients_of_empty_call(grad_weight, grad_bias);
     [[maybe_unused]] const auto backend_call = begin_backend_call();
-    const auto weight_gradient = begin_weight_gradient(call, grad_weight);
+    const auto weight_gradient = begin_weight_gradient(call, in.hidden.rows, grad_weight, grad_bias);
     sweep_type sweep(comm_, backend_, options_, call.plan, call.workspace, call.vocab);
     const bool with_entropy = out.has_entropy || grads.has_entropy;
     // Without a soft-cap (or an entropy term) the statistics pass leaves
@@ -1058,9 +1058,35 @@ class engine {
   // Where dW goes: grad_weight itself when it has the compute type; else
   // the backend's tiles straight into it (one chunk), or the reserved wide
   // accumulator, added into it once, at the end.
+  //
+  // With options.overwrite_weight_gradients, grad_bias is zeroed first, and so is
+  // grad_weight unless this call writes every row of it over: the
+  // accumulator copied in at the end, or the backend's tiles or last chunk
+  // writing rows (overwrites_weight_gradient) in a sweep that reaches every row.
   template <class GradWeight>
-  weight_gradient_sink<Compute, GradWeight> begin_weight_gradient(const prepared_call& call,
-                                                                  const matrix_view<GradWeight>& grad_weight) {
+  weight_gradient_sink<Compute, GradWeight> begin_weight_gradient(const prepared_call& call, std::int64_t hidden_rows,
+                                                                  const matrix_view<GradWeight>& grad_weight,
+                                                                  const vector_view<Compute>& grad_bias) {
+    weight_gradient_sink<Compute, GradWeight> sink = weight_gradient_sink_of(call, grad_weight);
+    if (!options_.overwrite_weight_gradients) return sink;
+    if (grad_bias.size) backend_.fill_zero(matrix_view<Compute>{grad_bias.data, 1, grad_bias.size, grad_bias.size});
+    if constexpr (!std::same_as<GradWeight, Compute>) {
+      const bool rows_reached = hidden_rows > 0;  // a rank with no rows of a sequence-parallel call sweeps no chunk
+      if (!sink.into_grad_weight && !sink.fused && rows_reached) return sink;  // copied in by end_weight_gradient
+      if constexpr (overwrites_weight_gradient<Backend, Operand, Compute, GradWeight>) {
+        if (rows_reached) {
+          sink.overwrite = true;
+          return sink;
+        }
+      }
+    }
+    backend_.fill_zero(grad_weight);
+    return sink;
+  }
+
+  template <class GradWeight>
+  weight_gradient_sink<Compute, GradWeight> weight_gradient_sink_of(const prepared_call& call,
+                                                                    const matrix_view<GradWeight>& grad_weight) {
     if constexpr (std::same_as<GradWeight, Compute>) {
       return {.accumulator = grad_weight, .grad_weight = grad_weight};
     } else if (call.tiles_into_grad_weight) {
@@ -1086,8 +1112,23 @@ class engine {
   void end_weight_gradient(const weight_gradient_sink<Compute, GradWeight>& sink,
                            const matrix_view<GradWeight>& grad_weight) {
     if constexpr (!std::same_as<GradWeight, Compute>) {
-      if (!sink.into_grad_weight && !sink.fused) backend_.add(matrix_view<const Compute>(sink.accumulator), grad_weight);
+      if (sink.into_grad_weight || sink.fused) return;
+      if (options_.overwrite_weight_gradients)
+        backend_.copy(matrix_view<const Compute>(sink.accumulator), grad_weight);
+      else
+        backend_.add(matrix_view<const Compute>(sink.accumulator), grad_weight);
     }
+  }
+
+  // A call with no tokens writes no gradient, except over grad_weight and grad_bias when asked
+  // to overwrite them: they are then zero.
+  template <class GradWeight>
+  void zero_weight_gradients_of_empty_call(const matrix_view<GradWeight>& grad_weight,
+                                           const vector_view<Compute>& grad_bias) {
+    if (!options_.overwrite_weight_gradients) return;
+    [[maybe_unused]] const auto backend_call = begin_backend_call();
+    backend_.fill_zero(grad_weight);
+    if (grad_bias.size) backend_.fill_zero(matrix_view<Compute>{grad_bias.data, 1, grad_bias.size, grad_bias.size});
   }
 
   Comm comm_;

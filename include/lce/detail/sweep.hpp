@@ -115,6 +115,8 @@ struct weight_gradient_sink {
   bool into_grad_weight = false;
   Compute* tile_scratch = nullptr;
   bool fused = false;
+  // The backend writes grad_weight's rows instead of adding into them (overwrites_weight_gradient).
+  bool overwrite = false;
 };
 
 template <communicator Comm, storage_type T, class Backend>
@@ -527,6 +529,12 @@ class chunk_sweep {
                            Compute alpha, const weight_gradient_sink<Compute, GradWeight>& sink) {
     if constexpr (adds_weight_gradient_tiles<Backend, Operand, Compute, GradWeight>) {
       if (sink.into_grad_weight) {
+        if constexpr (overwrites_weight_gradient<Backend, Operand, Compute, GradWeight>) {
+          if (sink.overwrite) {
+            grad_weight(dz, c.hidden, alpha, sink.grad_weight, sink.tile_scratch, weight_gradient_write::overwrite);
+            return;
+          }
+        }
         grad_weight(dz, c.hidden, alpha, sink.grad_weight, sink.tile_scratch);
         return;
       }
@@ -534,8 +542,15 @@ class chunk_sweep {
     if constexpr (rounds_accumulated_weight_gradient<Backend, Operand, Compute, GradWeight>) {
       if (sink.fused) {
         const bool last = c.local_first + c.segment_rows >= c.local_tokens;
-        grad_weight(dz, c.hidden, alpha, sink.accumulator, c.ordinal == 0 ? Compute(0) : Compute(1),
-                    last ? sink.grad_weight : matrix_view<GradWeight>{});
+        const Compute beta = c.ordinal == 0 ? Compute(0) : Compute(1);
+        const matrix_view<GradWeight> round_into = last ? sink.grad_weight : matrix_view<GradWeight>{};
+        if constexpr (overwrites_weight_gradient<Backend, Operand, Compute, GradWeight>) {
+          if (sink.overwrite) {
+            grad_weight(dz, c.hidden, alpha, sink.accumulator, beta, round_into, weight_gradient_write::overwrite);
+            return;
+          }
+        }
+        grad_weight(dz, c.hidden, alpha, sink.accumulator, beta, round_into);
         return;
       }
     }

@@ -70,13 +70,15 @@
 //   bool gemm_into_bf16_available() const;
 //   void bf16_gemm_into_bf16(lce::transpose ta, lce::transpose tb, std::int64_t m, std::int64_t n,
 //                            std::int64_t k, float alpha, const lce::bfloat16* a, std::int64_t lda,
-//                            const lce::bfloat16* b, std::int64_t ldb, lce::bfloat16* c, std::int64_t ldc) const;
+//                            const lce::bfloat16* b, std::int64_t ldb, float beta, lce::bfloat16* c,
+//                            std::int64_t ldc) const;
 //   void split_bf16_gemm_into_bf16(..., const float* a, std::int64_t lda, const float* b, std::int64_t ldb,
-//                                  lce::bfloat16* c, std::int64_t ldc) const;
+//                                  float beta, lce::bfloat16* c, std::int64_t ldc) const;
 //
-// c = bf16(c + alpha op(A) op(B)): each element's products summed in fp32 over all of k,
-// times alpha, added to c widened to fp32 and rounded once to nearest even (A split as
-// hi + lo in the second form, B holding bf16 values). Where gemm_into_bf16_available()
+// c = bf16(alpha op(A) op(B) + beta c), beta 0 (c is not read) or 1: each element's
+// products summed in fp32 over all of k, times alpha, added to c widened to fp32 and
+// rounded once to nearest even (A split as hi + lo in the second form, B holding bf16
+// values). Where gemm_into_bf16_available()
 // says it runs well here, lce writes the dW tiles of a bfloat16 grad_weight with it,
 // k <= 512 (the tokens of one call's dz block), instead of summing each tile in fp32
 // scratch of its workspace and adding that in a pass of its own: the same bits, with
@@ -130,7 +132,7 @@ concept bf16_into_bf16_gemm_provider =
     bf16_gemm_provider<P> && requires(const P& provider, transpose op, std::int64_t extent, const bfloat16* a,
                                       bfloat16* c, float s) {
       { provider.gemm_into_bf16_available() } -> std::convertible_to<bool>;
-      provider.bf16_gemm_into_bf16(op, op, extent, extent, extent, s, a, extent, a, extent, c, extent);
+      provider.bf16_gemm_into_bf16(op, op, extent, extent, extent, s, a, extent, a, extent, s, c, extent);
     };
 
 // A provider with the optional split GEMM into a bf16 C (A in fp32 as hi + lo, B fp32 holding bf16 values).
@@ -139,7 +141,7 @@ concept split_bf16_into_bf16_gemm_provider =
     split_bf16_gemm_provider<P> && requires(const P& provider, transpose op, std::int64_t extent, const float* a,
                                             bfloat16* c, float s) {
       { provider.gemm_into_bf16_available() } -> std::convertible_to<bool>;
-      provider.split_bf16_gemm_into_bf16(op, op, extent, extent, extent, s, a, extent, a, extent, c, extent);
+      provider.split_bf16_gemm_into_bf16(op, op, extent, extent, extent, s, a, extent, a, extent, s, c, extent);
     };
 
 // Whether P parallelises each call itself (see above); false unless it says so.

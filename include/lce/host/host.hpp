@@ -321,8 +321,17 @@ class basic_host {
   template <class O, class A, class G, class W = A>
     requires(!std::same_as<A, G>)
   void grad_weight(matrix_view<const O> dz, matrix_view<const O> x, A alpha, matrix_view<G> dw, A* scratch,
-                   weight_element<W> = {}) {
+                   weight_element<W> weight = {}) {
+    grad_weight(dz, x, alpha, dw, scratch, weight_gradient_write::add, weight);
+  }
+
+  // The same, dw's rows written over with `overwrite` (overwrites_weight_gradient).
+  template <class O, class A, class G, class W = A>
+    requires(!std::same_as<A, G>)
+  void grad_weight(matrix_view<const O> dz, matrix_view<const O> x, A alpha, matrix_view<G> dw, A* scratch,
+                   weight_gradient_write write, weight_element<W> = {}) {
     [[maybe_unused]] const provider_scope scope;
+    const bool overwrite = write == weight_gradient_write::overwrite;
     if constexpr (into_bf16_weight_gradient<A, O, G>) {
       if (!scratch || rounds_weight_gradient_into<A, O, G>(dz.rows)) {
         // No scratch to size, so tiles for the threads alone: the bits do not depend on them
@@ -331,12 +340,13 @@ class basic_host {
             detail::ceil_div(detail::ceil_div(dz.cols, std::max(1, threads())), 32) * 32, 128, 512);
         for_gemm_tiles(detail::ceil_div(dz.cols, tile), [&](std::int64_t t) {
           const std::int64_t first = t * tile, rows = std::min(tile, dz.cols - first);
+          const float beta = overwrite ? 0.0f : 1.0f;
           if constexpr (std::same_as<O, bfloat16>)
             gemm_.bf16_gemm_into_bf16(transpose::yes, transpose::no, rows, x.cols, dz.rows, alpha, dz.data + first,
-                                      dz.ld, x.data, x.ld, dw.row(first), dw.ld);
+                                      dz.ld, x.data, x.ld, beta, dw.row(first), dw.ld);
           else
             gemm_.split_bf16_gemm_into_bf16(transpose::yes, transpose::no, rows, x.cols, dz.rows, alpha,
-                                            dz.data + first, dz.ld, x.data, x.ld, dw.row(first), dw.ld);
+                                            dz.data + first, dz.ld, x.data, x.ld, beta, dw.row(first), dw.ld);
         });
         return;
       }
@@ -346,7 +356,12 @@ class basic_host {
       const std::int64_t first = t * tile, rows = std::min(tile, dz.cols - first);
       A* sum = scratch + static_cast<std::int64_t>(worker) * tile * h;
       weight_gradient_gemm<W>(rows, h, dz.rows, alpha, dz.data + first, dz.ld, x.data, x.ld, A(0), sum, h);
-      for (std::int64_t r = 0; r < rows; ++r) detail::add_span(static_cast<const A*>(sum + r * h), dw.row(first + r), h);
+      for (std::int64_t r = 0; r < rows; ++r) {
+        if (overwrite)
+          detail::convert_span(static_cast<const A*>(sum + r * h), dw.row(first + r), h);
+        else
+          detail::add_span(static_cast<const A*>(sum + r * h), dw.row(first + r), h);
+      }
     });
   }
 
@@ -356,7 +371,15 @@ class basic_host {
   template <class O, class A, class G, class W = A>
     requires(!std::same_as<A, G>)
   void grad_weight(matrix_view<const O> dz, matrix_view<const O> x, A alpha, matrix_view<A> dw, A beta,
-                   matrix_view<G> round_into, weight_element<W> = {}) {
+                   matrix_view<G> round_into, weight_element<W> weight = {}) {
+    grad_weight(dz, x, alpha, dw, beta, round_into, weight_gradient_write::add, weight);
+  }
+
+  // The same, round_into's rows written over with `overwrite` (overwrites_weight_gradient).
+  template <class O, class A, class G, class W = A>
+    requires(!std::same_as<A, G>)
+  void grad_weight(matrix_view<const O> dz, matrix_view<const O> x, A alpha, matrix_view<A> dw, A beta,
+                   matrix_view<G> round_into, weight_gradient_write write, weight_element<W> = {}) {
     const std::int64_t tile = rounded_tile_rows<A>(x.cols, dz.cols, dz.rows), h = x.cols;
     [[maybe_unused]] const provider_scope scope;
     for_gemm_tiles(detail::ceil_div(dz.cols, tile), [&](std::int64_t t) {
@@ -364,8 +387,12 @@ class basic_host {
       weight_gradient_gemm<W>(rows, h, dz.rows, alpha, dz.data + first, dz.ld, x.data, x.ld, beta, dw.row(first),
                               dw.ld);
       if (round_into.data) {
-        for (std::int64_t r = 0; r < rows; ++r)
-          detail::add_span(static_cast<const A*>(dw.row(first + r)), round_into.row(first + r), h);
+        for (std::int64_t r = 0; r < rows; ++r) {
+          if (write == weight_gradient_write::overwrite)
+            detail::convert_span(static_cast<const A*>(dw.row(first + r)), round_into.row(first + r), h);
+          else
+            detail::add_span(static_cast<const A*>(dw.row(first + r)), round_into.row(first + r), h);
+        }
       }
     });
   }
@@ -1002,5 +1029,7 @@ using host_bf16_operands = basic_host<cblas_gemm_bf16_operands>;
 
 static_assert(backend<host>);
 static_assert(backend<host_bf16_operands>);
+static_assert(overwrites_weight_gradient<host, float, float, bfloat16> &&
+              overwrites_weight_gradient<host_bf16_operands, bfloat16, float, bfloat16>);
 
 LCE_END_NAMESPACE

@@ -116,8 +116,8 @@ std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor>()> kernels<TorchT, 
     }
   }
   at::Tensor dx = at::empty(hidden.sizes(), hidden.options().memory_format(at::MemoryFormat::Contiguous));
-  at::Tensor dw = zeroed_weight_gradient(w.rows, w.cols, weight.options());
-  const at::Tensor db = zeroed_bias_gradient<R>(b);
+  at::Tensor dw = weight_gradient(w.rows, w.cols, weight.options());
+  const at::Tensor db = bias_gradient<R>(b);
   const rows_view gx = as_rows(dx, "grad_hidden"), gw = as_rows(dw, "grad_weight");
   return [=]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor> {
     const auto on_device = Device::guard(x.tensor);
@@ -156,8 +156,8 @@ kernels<TorchT, Device>::forward_backward(const at::Tensor& hidden, const at::Te
   at::Tensor logp = at::empty(targets.sizes(), out), lse = at::empty(targets.sizes(), out);
   at::Tensor mean = with_mean_logit ? at::empty(targets.sizes(), out) : at::empty({0}, out);
   at::Tensor dx = at::empty(hidden.sizes(), hidden.options().memory_format(at::MemoryFormat::Contiguous));
-  at::Tensor dw = zeroed_weight_gradient(w.rows, w.cols, weight.options());
-  const at::Tensor db = zeroed_bias_gradient<R>(b);
+  at::Tensor dw = weight_gradient(w.rows, w.cols, weight.options());
+  const at::Tensor db = bias_gradient<R>(b);
   const rows_view gx = as_rows(dx, "grad_hidden"), gw = as_rows(dw, "grad_weight");
   return [=]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> {
     const auto on_device = Device::guard(x.tensor);
@@ -241,8 +241,8 @@ std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor>()> kernels<TorchT, 
     }
   }
   at::Tensor dx = at::empty(hidden.sizes(), hidden.options().memory_format(at::MemoryFormat::Contiguous));
-  at::Tensor dw = zeroed_weight_gradient(w.rows, w.cols, weight.options());
-  const at::Tensor db = zeroed_bias_gradient<R>(b);
+  at::Tensor dw = weight_gradient(w.rows, w.cols, weight.options());
+  const at::Tensor db = bias_gradient<R>(b);
   const rows_view gx = as_rows(dx, "grad_hidden"), gw = as_rows(dw, "grad_weight");
   return [=]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor> {
     const auto on_device = Device::guard(x.tensor);

@@ -43,6 +43,9 @@ struct config {
     o.sequence_parallel = sequence_parallel;
     o.chunk_tokens = chunk_tokens;
     o.workspace_limit_bytes = static_cast<std::size_t>(workspace_limit_bytes);
+    // Every gradient op returns fresh grad_weight / grad_bias tensors: lce writes them
+    // whole, so they are never zeroed first (a [V, H] pass, and a read of it, saved).
+    o.overwrite_weight_gradients = true;
     return o;
   }
 };
@@ -51,7 +54,7 @@ struct config {
 inline bool same_options(const lce::options& a, const lce::options& b) {
   return a.vocab_start == b.vocab_start && a.ignore_index == b.ignore_index && a.temperature == b.temperature &&
          a.softcap == b.softcap && a.sequence_parallel == b.sequence_parallel && a.chunk_tokens == b.chunk_tokens &&
-         a.workspace_limit_bytes == b.workspace_limit_bytes;
+         a.workspace_limit_bytes == b.workspace_limit_bytes && a.overwrite_weight_gradients == b.overwrite_weight_gradients;
 }
 
 // This thread's operators of one type, by options and a device's key (a
@@ -124,10 +127,10 @@ inline rows_view as_rows(const at::Tensor& x, const char* name) {
   return {m, rows, cols, ld};
 }
 
-// grad_weight, zeroed for the operator's +=: a fresh [V, H] block (on the
-// CPU, on the allocator's own pages, like the scratch: see cpu_device.hpp).
-inline at::Tensor zeroed_weight_gradient(std::int64_t rows, std::int64_t cols, const at::TensorOptions& options) {
-  return at::zeros({rows, cols}, options.memory_format(at::MemoryFormat::Contiguous));
+// grad_weight: a fresh [V, H] block, left unset: the operator writes it whole
+// (options.overwrite_weight_gradients, set by config::to_options).
+inline at::Tensor weight_gradient(std::int64_t rows, std::int64_t cols, const at::TensorOptions& options) {
+  return at::empty({rows, cols}, options.memory_format(at::MemoryFormat::Contiguous));
 }
 
 // A 1-D unit-stride tensor of the same elements (per-token vectors; small).
@@ -213,10 +216,10 @@ auto head_of(const lce::matrix_view<E>& weight, const at::Tensor& bias) {
   return lce::with_bias{weight, optional_vector<B>(bias)};
 }
 
-// grad_bias for lce's += (the compute type R, zeroed), or undefined without a bias.
+// grad_bias in the compute type R, left unset as grad_weight above, or undefined without a bias.
 template <class R>
-at::Tensor zeroed_bias_gradient(const at::Tensor& bias) {
-  return bias.defined() ? at::zeros({bias.numel()}, bias.options().dtype(c10::CppTypeToScalarType<R>::value))
+at::Tensor bias_gradient(const at::Tensor& bias) {
+  return bias.defined() ? at::empty({bias.numel()}, bias.options().dtype(c10::CppTypeToScalarType<R>::value))
                         : at::Tensor();
 }
 

@@ -229,15 +229,17 @@ struct torch_gemm {
 
   void bf16_gemm_into_bf16(lce::transpose ta, lce::transpose tb, std::int64_t m, std::int64_t n, std::int64_t k,
                            float alpha, const lce::bfloat16* a, std::int64_t lda, const lce::bfloat16* b,
-                           std::int64_t ldb, lce::bfloat16* c, std::int64_t ldc) const {
+                           std::int64_t ldb, float beta, lce::bfloat16* c, std::int64_t ldc) const {
     if (gemm_into_bf16_available())
-      return lce::detail::amx_bf16_gemm_into_bf16(ta, tb, m, n, k, alpha, a, lda, b, ldb, c, ldc);
+      return lce::detail::amx_bf16_gemm_into_bf16(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     if (m <= 0 || n <= 0) return;
     std::vector<float> sum(static_cast<std::size_t>(m * n));
     bf16_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, 0.0f, sum.data(), n);
     for (std::int64_t i = 0; i < m; ++i)
-      for (std::int64_t j = 0; j < n; ++j)
-        c[i * ldc + j] = lce::bfloat16(static_cast<float>(c[i * ldc + j]) + sum[static_cast<std::size_t>(i * n + j)]);
+      for (std::int64_t j = 0; j < n; ++j) {
+        const float s = sum[static_cast<std::size_t>(i * n + j)];
+        c[i * ldc + j] = lce::bfloat16(beta == 0.0f ? s : static_cast<float>(c[i * ldc + j]) + s);
+      }
   }
 
   // What runs the fp32/fp64 GEMMs when it is not lce's BLAS ("" when it is), for blas_info.

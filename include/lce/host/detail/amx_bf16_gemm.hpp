@@ -365,11 +365,11 @@ LCE_AMX_TARGET inline void multiply_steps(const a_tiles& a, const u16* b0, const
   }
 }
 
-// C[0:rows, 0:cols] = bf16(C + alpha block), C bf16 (u16 bits), block 32 x 32 row-major: each
-// element widened, added to in fp32 and rounded once, as detail::add_span adds an fp32 sum
-// into a bfloat16 span (so the two give the same bits).
+// C[0:rows, 0:cols] = bf16(alpha block + beta C), C bf16 (u16 bits), beta 0 (C not read) or 1,
+// block 32 x 32 row-major: each element widened, added to in fp32 and rounded once, as
+// detail::add_span adds an fp32 sum into a bfloat16 span (so the two give the same bits).
 LCE_AMX_TARGET inline void round_block_into(const float* block, std::int64_t rows, std::int64_t cols, float alpha,
-                                            u16* c, std::int64_t ldc) {
+                                            float beta, u16* c, std::int64_t ldc) {
   const __m512 va = _mm512_set1_ps(alpha);
   for (std::int64_t r = 0; r < rows; ++r) {
     for (std::int64_t j = 0; j < cols; j += 16) {
@@ -378,8 +378,10 @@ LCE_AMX_TARGET inline void round_block_into(const float* block, std::int64_t row
       __m512 v = _mm512_loadu_ps(block + r * 32 + j);
       if (alpha != 1.0f) v = _mm512_mul_ps(va, v);
       u16* const out = c + r * ldc + j;
-      const __m512i old_bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, out));
-      v = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(old_bits, 16)), v);
+      if (beta != 0.0f) {
+        const __m512i old_bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, out));
+        v = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(old_bits, 16)), v);
+      }
       _mm256_mask_storeu_epi16(out, mask, to_bf16(v));
     }
   }
@@ -506,7 +508,7 @@ struct blocking {
 // C[m, n] = alpha A[m, k] B[k, n] + beta C, A and B by their strides, C row-major with ldc.
 // A of floats is taken as two bf16 parts, hi + lo, each multiplied by the same packed B
 // (split); B of floats must hold bf16 values (rounded as packed). A C of bf16 (u16 bits) gets
-// bf16(C + alpha A B) (beta ignored) and needs k <= max_depth.
+// bf16(alpha A B + beta C), beta 0 or 1, and needs k <= max_depth.
 template <class AElement, class BElement, class CElement = float>
 LCE_AMX_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int64_t k, float alpha, strided_of<AElement> a,
                                 strided_of<BElement> b, float beta, CElement* c, std::int64_t ldc) {
@@ -604,7 +606,7 @@ LCE_AMX_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int64_t k, 
           }
           if constexpr (rounds_into_bf16) {
             store_c_tiles(block, 32);
-            round_block_into(block, rows, std::min<std::int64_t>(32, n - col), alpha, c_block, ldc);
+            round_block_into(block, rows, std::min<std::int64_t>(32, n - col), alpha, beta, c_block, ldc);
           } else if (c_in_place) {
             store_c_tiles(c_block, ldc);
           } else {
@@ -676,10 +678,11 @@ inline void amx_split_bf16_gemm(transpose ta, transpose tb, std::int64_t m, std:
   amx::gemm(m, n, k, alpha, a_view, b_view, beta, c, ldc);
 }
 
-// bf16 C[m, n] = bf16(C + alpha op(A) op(B)) on AMX tiles, k <= amx::max_depth: each element's
-// products summed in fp32 in one depth block, times alpha, added to C widened to fp32 and
-// rounded once to nearest even (the bits of this kernel's fp32 C with beta 0 followed by
-// detail::add_span). For dW tiles straight into a bf16 grad_weight, without an fp32 tile.
+// bf16 C[m, n] = bf16(alpha op(A) op(B) + beta C) on AMX tiles, beta 0 (C is not read) or 1:
+// each element's products summed in fp32 (in one depth block up to amx::max_depth), times
+// alpha, added to C widened to fp32 and rounded once to nearest even (the bits of this
+// kernel's fp32 C with beta 0 followed by detail::add_span, or by a rounding copy). For dW
+// tiles straight into a bf16 grad_weight, without an fp32 tile.
 // A is bf16, or fp32 split as hi + lo (as amx_split_bf16_gemm); B bf16, or fp32 holding
 // bf16 values.
 template <class AElement, class BElement>
@@ -687,8 +690,13 @@ template <class AElement, class BElement>
           (std::same_as<BElement, bfloat16> || std::same_as<BElement, float>)
 inline void amx_bf16_gemm_into_bf16(transpose ta, transpose tb, std::int64_t m, std::int64_t n, std::int64_t k,
                                     float alpha, const AElement* a, std::int64_t lda, const BElement* b,
-                                    std::int64_t ldb, bfloat16* c, std::int64_t ldc) {
-  if (m <= 0 || n <= 0 || k <= 0) return;  // C + 0
+                                    std::int64_t ldb, float beta, bfloat16* c, std::int64_t ldc) {
+  if (m <= 0 || n <= 0) return;
+  if (k <= 0) {  // beta C
+    for (std::int64_t i = 0; i < m; ++i)
+      for (std::int64_t j = 0; j < n; ++j) c[i * ldc + j] = beta == 0.0f ? bfloat16(0.0f) : c[i * ldc + j];
+    return;
+  }
   using A = std::conditional_t<std::same_as<AElement, float>, float, std::uint16_t>;
   using B = std::conditional_t<std::same_as<BElement, float>, float, std::uint16_t>;
   const auto* aa = reinterpret_cast<const A*>(a);
@@ -696,7 +704,7 @@ inline void amx_bf16_gemm_into_bf16(transpose ta, transpose tb, std::int64_t m, 
   const amx::strided_of<A> a_view = ta == transpose::no ? amx::strided_of<A>{aa, lda, 1} : amx::strided_of<A>{aa, 1, lda};
   const amx::strided_of<B> b_view = tb == transpose::no ? amx::strided_of<B>{bb, ldb, 1} : amx::strided_of<B>{bb, 1, ldb};
   if (k <= amx::max_depth) {
-    amx::gemm(m, n, k, alpha, a_view, b_view, 0.0f, reinterpret_cast<std::uint16_t*>(c), ldc);
+    amx::gemm(m, n, k, alpha, a_view, b_view, beta, reinterpret_cast<std::uint16_t*>(c), ldc);
     return;
   }
   // Deeper: the fp32 sum in a buffer of its own, then added in (lce's host backend does not
@@ -704,7 +712,8 @@ inline void amx_bf16_gemm_into_bf16(transpose ta, transpose tb, std::int64_t m, 
   std::unique_ptr<float[]> sum(new float[static_cast<std::size_t>(m * n)]);
   amx::gemm(m, n, k, alpha, a_view, b_view, 0.0f, sum.get(), n);
   for (std::int64_t i = 0; i < m; ++i)
-    for (std::int64_t j = 0; j < n; ++j) c[i * ldc + j] = bfloat16(static_cast<float>(c[i * ldc + j]) + sum[i * n + j]);
+    for (std::int64_t j = 0; j < n; ++j)
+      c[i * ldc + j] = bfloat16(beta == 0.0f ? sum[i * n + j] : static_cast<float>(c[i * ldc + j]) + sum[i * n + j]);
 }
 
 #pragma GCC diagnostic pop
@@ -730,7 +739,7 @@ inline void amx_split_bf16_gemm(transpose, transpose, std::int64_t, std::int64_t
 
 template <class AElement, class BElement>
 inline void amx_bf16_gemm_into_bf16(transpose, transpose, std::int64_t, std::int64_t, std::int64_t, float,
-                                    const AElement*, std::int64_t, const BElement*, std::int64_t, bfloat16*,
+                                    const AElement*, std::int64_t, const BElement*, std::int64_t, float, bfloat16*,
                                     std::int64_t) {
   std::abort();
 }

@@ -1,0 +1,115 @@
+// options.overwrite_weight_gradients, shared by the CPU suite
+// (tests/unit/test_overwrite.cpp) and the CUDA one: a call writes its own
+// dL/dweight (and dL/dbias) over grad_weight (and grad_bias), neither reading
+// nor keeping what they held. They start as NaN here, so a path that read
+// them would show it. Every path a call can take writes each row once: one
+// chunk (the backend's dW tiles straight into grad_weight), several chunks
+// (the accumulator, rounded or copied in at the end), the vocabulary order
+// with all rows or in token slices, and a call with no tokens (zeros). The
+// results are the materialised reference's, as if grad_weight had been zero.
+#pragma once
+
+#include "cases/vocabulary_order_cases.hpp"
+
+#include <limits>
+#include <string>
+#include <vector>
+
+namespace lce_test::cases::overwrite {
+
+using vocabulary_order::narrow_t;
+using vocabulary_order::tiling;
+
+struct path {
+  const char* name;
+  std::int64_t chunk_tokens;  // 0: the budget alone
+  std::size_t budget;         // 0: the default
+};
+
+template <class T>
+std::vector<path> paths() {
+  return {{"one chunk", vocabulary_order::tokens, 0},
+          {"chunks of 7 tokens", 7, 0},
+          {"vocabulary order, all rows", 0, vocabulary_order::budget_bytes<T>(tiling::all_rows)},
+          {"vocabulary order, token slices", 0, vocabulary_order::budget_bytes<T>(tiling::token_slices)}};
+}
+
+template <class Env, class T>
+void matches_reference(int threads = 0) {
+  using G = narrow_t<T>;
+  const auto in = vocabulary_order::exercise_inputs_for<T>(scalings[0]);
+  const std::vector<double> nan(in.pre.size(), std::numeric_limits<double>::quiet_NaN()), zero(in.pre.size(), 0.0);
+  for (const path& route : paths<T>()) {
+    const std::string name = route.name;
+    CAPTURE(name);
+    lce::options opt = make_options(1.0f, 0.0f, route.chunk_tokens);
+    if (route.budget) opt.workspace_limit_bytes = route.budget;
+    opt.overwrite_weight_gradients = true;
+    auto op = Env::template make_op<T>(opt, threads);
+    check_against_reference(exercise<T, G>(op, in.p, in.g, in.hg, nan), in.p, in.g, in.hg, zero,
+                            Env::template gradient_operand_unit<T>, Env::template gradient_operand_floor<T>);
+  }
+}
+
+// grad_bias too, and a call with no tokens: both gradients become zero.
+template <class Env, class T>
+void bias_and_empty_calls() {
+  using O = out_t<T>;
+  const std::int64_t n = 13, h = 16, v = 77;
+  const problem p = make_problem(n, h, v, 71, rounder_for<T>(), 1.5, 0.5);
+  const auto X = make_matrix<T>(p.x, n, h);
+  const auto W = make_matrix<T>(p.w, v, h);
+  const auto Y = make_targets<std::int64_t>(p.y);
+  const vector_buf<O> Gv(random_vector(n, 72, -1.0, 1.0, rounder_for<O>()));
+  std::vector<T> bias(static_cast<std::size_t>(v));
+  for (std::int64_t j = 0; j < v; ++j) bias[static_cast<std::size_t>(j)] = to_elem<T>(0.01 * static_cast<double>(j % 7));
+  const lce::vector_view<const T> b{bias.data(), v};
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+
+  // The gradients that accumulate onto zeros, and those that overwrite NaN: the same values.
+  struct result {
+    matrix_buf<O> gh, gw;
+    std::vector<O> gb;
+  };
+  const auto run = [&](bool overwrite, double start) {
+    lce::options opt = make_options(1.0f, 0.0f);
+    opt.overwrite_weight_gradients = overwrite;
+    auto op = Env::template make_op<T>(opt);
+    result r{matrix_buf<O>(n, h), matrix_buf<O>(v, h), std::vector<O>(static_cast<std::size_t>(v), to_elem<O>(start))};
+    r.gw.fill(to_elem<O>(start));
+    vector_buf<O> lp(n);
+    op.forward_backward(X.cview(), lce::with_bias{W.cview(), b}, Y.cview(), Gv.cview(), lp.view(), r.gh.view(),
+                        lce::with_bias{r.gw.view(), lce::vector_view<O>{r.gb.data(), v}});
+    return r;
+  };
+  const result added = run(false, 0.0), written = run(true, nan);
+  std::int64_t differing = 0;
+  for (std::int64_t j = 0; j < v; ++j) {
+    differing += !(from_elem(added.gb[static_cast<std::size_t>(j)]) == from_elem(written.gb[static_cast<std::size_t>(j)]));
+    for (std::int64_t c = 0; c < h; ++c) differing += !(added.gw.get(j, c) == written.gw.get(j, c));
+  }
+  CHECK(differing == 0);
+
+  // No tokens: grad_weight and grad_bias zero, nothing else written.
+  lce::options opt = make_options(1.0f, 0.0f);
+  opt.overwrite_weight_gradients = true;
+  auto op = Env::template make_op<T>(opt);
+  matrix_buf<O> gh(0, h), gw(v, h);
+  gw.fill(to_elem<O>(nan));
+  std::vector<O> gb(static_cast<std::size_t>(v), to_elem<O>(nan));
+  const auto X0 = make_matrix<T>({}, 0, h);
+  const auto Y0 = make_targets<std::int64_t>({});
+  const vector_buf<O> G0(std::vector<double>{});
+  vector_buf<O> lp0(0);
+  op.forward_backward(X0.cview(), lce::with_bias{W.cview(), b}, Y0.cview(), G0.cview(), lp0.view(), gh.view(),
+                      lce::with_bias{gw.view(), lce::vector_view<O>{gb.data(), v}});
+  std::int64_t nonzero = 0;
+  for (std::int64_t j = 0; j < v; ++j) {
+    nonzero += from_elem(gb[static_cast<std::size_t>(j)]) != 0.0;
+    for (std::int64_t c = 0; c < h; ++c) nonzero += gw.get(j, c) != 0.0;
+  }
+  CHECK(nonzero == 0);
+  CHECK(gw.padding_intact());
+}
+
+}  // namespace lce_test::cases::overwrite
