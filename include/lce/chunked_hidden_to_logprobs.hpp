@@ -86,7 +86,8 @@ class ChunkedHiddenToLogprobs {
     engine_.forward(failure, in, output_views(outputs));
   }
 
-  // Given lse from forward and dL/dlogprobs: grad_hidden OVERWRITTEN, grad_weight ACCUMULATED (+=).
+  // Given lse from forward and dL/dlogprobs: grad_hidden OVERWRITTEN, grad_weight ACCUMULATED (+=)
+  // (OVERWRITTEN with options.overwrite_weight_gradients).
   template <matrix_like Hidden, head_like Weight, vector_like Targets, vector_like Lse, vector_like GradLogprobs,
             matrix_like GradHidden, head_like GradWeight>
   void backward(const Hidden& hidden, const Weight& weight, const Targets& targets, const Lse& lse,
@@ -184,7 +185,7 @@ class ChunkedHiddenToLogprobs {
     engine_.forward(failure, in, out);
   }
 
-  // grad_logprobs [N, K]: grad_hidden OVERWRITTEN, grad_weight ACCUMULATED (+=).
+  // grad_logprobs [N, K]: grad_hidden OVERWRITTEN, grad_weight ACCUMULATED (+=; see overwrite_weight_gradients).
   template <matrix_like Hidden, head_like Weight, matrix_like TargetSets, vector_like Lse, result_type E,
             matrix_like GradHidden, head_like GradWeight>
   void backward(const Hidden& hidden, const Weight& weight, const TargetSets& targets, const Lse& lse,

@@ -1070,8 +1070,13 @@ class engine {
     weight_gradient_sink<Compute, GradWeight> sink = weight_gradient_sink_of(call, grad_weight);
     if (!options_.overwrite_weight_gradients) return sink;
     if (grad_bias.size) backend_.fill_zero(matrix_view<Compute>{grad_bias.data, 1, grad_bias.size, grad_bias.size});
-    if constexpr (!std::same_as<GradWeight, Compute>) {
-      const bool rows_reached = hidden_rows > 0;  // a rank with no rows of a sequence-parallel call sweeps no chunk
+    const bool rows_reached = hidden_rows > 0;  // a rank with no rows of a sequence-parallel call sweeps no chunk
+    if constexpr (std::same_as<GradWeight, Compute>) {
+      if (sweep_type::writes_over_compute_weight_gradient && rows_reached) {  // the first chunk's GEMM, beta 0
+        sink.overwrite = true;
+        return sink;
+      }
+    } else {
       if (!sink.into_grad_weight && !sink.fused && rows_reached) return sink;  // copied in by end_weight_gradient
       if constexpr (overwrites_weight_gradient<Backend, Operand, Compute, GradWeight>) {
         if (rows_reached) {

@@ -289,12 +289,20 @@ class basic_host {
   // engine's weight_element), picks the GEMM (weight_gradient_gemm).
   template <class O, class A, class W = A>
   void grad_weight(matrix_view<const O> dz, matrix_view<const O> x, A alpha, matrix_view<A> dw,
+                   weight_element<W> weight = {}) {
+    grad_weight(dz, x, alpha, dw, A(1), weight);
+  }
+
+  // dw = alpha dz^T x + beta dw, beta 0 (dw's first chunk under options.overwrite_weight_gradients:
+  // not read) or 1.
+  template <class O, class A, class W = A>
+  void grad_weight(matrix_view<const O> dz, matrix_view<const O> x, A alpha, matrix_view<A> dw, A beta,
                    weight_element<W> = {}) {
     const std::int64_t tile = vocab_tile_rows<A>(x.cols, dz.cols);
     [[maybe_unused]] const provider_scope scope;
     for_gemm_tiles(detail::ceil_div(dz.cols, tile), [&](std::int64_t t) {
       const std::int64_t first = t * tile, rows = std::min(tile, dz.cols - first);
-      weight_gradient_gemm<W>(rows, x.cols, dz.rows, alpha, dz.data + first, dz.ld, x.data, x.ld, A(1), dw.row(first),
+      weight_gradient_gemm<W>(rows, x.cols, dz.rows, alpha, dz.data + first, dz.ld, x.data, x.ld, beta, dw.row(first),
                               dw.ld);
     });
   }
