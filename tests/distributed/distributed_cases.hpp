@@ -421,6 +421,7 @@ struct case_config {
   bool sequence_parallel = false;
   float temperature = 0.8f;
   float softcap = 0.0f;
+  bool overwrite_weight_gradients = false;  // grad_weight starts as NaN on the ranks, zero in the reference
   std::uint64_t seed = 1;
 
   std::int64_t vocab() const { return std::accumulate(shard_rows.begin(), shard_rows.end(), std::int64_t{0}); }
@@ -462,6 +463,16 @@ inline std::vector<case_config> configurations(int ranks) {
       all.push_back(c);
       ++variant;
     }
+  }
+  // Gradients written over (options.overwrite_weight_gradients), both layouts: the ranks'
+  // grad_weight starts as NaN, the single-rank reference's at zero.
+  for (const case_config& base : std::vector<case_config>(all.begin(), all.end())) {
+    if (base.softcap > 0) continue;
+    case_config c = base;
+    c.name += ", gradients written over";
+    c.overwrite_weight_gradients = true;
+    c.seed += 100;
+    all.push_back(c);
   }
   return all;
 }
@@ -629,17 +640,22 @@ void check_against_single_rank(const Comm& comm, const case_config& cfg) {
   if (cfg.workspace_limit_bytes > 0) reference_options.workspace_limit_bytes = cfg.workspace_limit_bytes;
   lce::ChunkedHiddenToLogprobs<lce::comm::single, T, lce::budget_chunk, lce::host> reference(
       lce::comm::single{}, reference_options, lce::host{1});
-  const results<T> want =
-      exercise<T, I>(reference, h, p.x, n, p.w, p.v, targets, p.g, p.e, p.weight_grad, [](call_kind, bool) {});
+  const std::vector<double> zeros(p.weight_grad.size(), 0.0);
+  const results<T> want = exercise<T, I>(reference, h, p.x, n, p.w, p.v, targets, p.g, p.e,
+                                         cfg.overwrite_weight_gradients ? zeros : p.weight_grad, [](call_kind, bool) {});
 
   // This rank's shard (and rows), copied so that reading past them is caught by sanitizers.
   const std::vector<T> weight = rows_of(p.w, h, v0, vr);
   const std::vector<T> hidden = rows_of(p.x, h, row0, local_rows);
-  const std::vector<double> weight_grad = rows_of(p.weight_grad, h, v0, vr);
+  const std::vector<double> weight_grad =
+      cfg.overwrite_weight_gradients
+          ? std::vector<double>(static_cast<std::size_t>(vr * h), std::numeric_limits<double>::quiet_NaN())
+          : rows_of(p.weight_grad, h, v0, vr);
 
   lce::options options = reference_options;
   options.vocab_start = v0;
   options.sequence_parallel = cfg.sequence_parallel;
+  options.overwrite_weight_gradients = cfg.overwrite_weight_gradients;
   collective_counts counts;
   lce::ChunkedHiddenToLogprobs<counting<Comm>, T, lce::budget_chunk, lce::host> op(counting<Comm>(comm, &counts),
                                                                                       options, lce::host{1});
