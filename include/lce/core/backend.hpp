@@ -116,6 +116,16 @@ concept overwrites_weight_gradient =
       b.grad_weight(operand, operand, alpha, accumulator, alpha, dw, weight_gradient_write::overwrite);
     };
 
+// Optional: the dW GEMM into a grad_weight of the compute type with a beta, 0 or 1. With
+// it, under options.overwrite_weight_gradients, a sweep's first chunk (or a vocabulary
+// tile's first slice) writes grad_weight's rows with beta 0 instead of the engine zeroing
+// grad_weight first.
+template <class B, class O, class A>
+concept overwrites_compute_weight_gradient =
+    requires(B& b, matrix_view<const O> operand, matrix_view<A> dw, A alpha) {
+      b.grad_weight(operand, operand, alpha, dw, alpha);
+    };
+
 // The most bytes of logits a block of the vocabulary order (see
 // adds_grad_hidden) holds, beside the workspace budget. The bound is for
 // speed: on the host the block's row passes then run near the cache, which

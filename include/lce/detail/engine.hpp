@@ -1069,10 +1069,10 @@ class engine {
                                                                   const vector_view<Compute>& grad_bias) {
     weight_gradient_sink<Compute, GradWeight> sink = weight_gradient_sink_of(call, grad_weight);
     if (!options_.overwrite_weight_gradients) return sink;
-    if (grad_bias.size) backend_.fill_zero(matrix_view<Compute>{grad_bias.data, 1, grad_bias.size, grad_bias.size});
+    zero(grad_bias);
     const bool rows_reached = hidden_rows > 0;  // a rank with no rows of a sequence-parallel call sweeps no chunk
     if constexpr (std::same_as<GradWeight, Compute>) {
-      if (sweep_type::writes_over_compute_weight_gradient && rows_reached) {  // the first chunk's GEMM, beta 0
+      if (overwrites_compute_weight_gradient<Backend, Operand, Compute> && rows_reached) {  // first chunk: beta 0
         sink.overwrite = true;
         return sink;
       }
@@ -1133,7 +1133,11 @@ class engine {
     if (!options_.overwrite_weight_gradients) return;
     [[maybe_unused]] const auto backend_call = begin_backend_call();
     backend_.fill_zero(grad_weight);
-    if (grad_bias.size) backend_.fill_zero(matrix_view<Compute>{grad_bias.data, 1, grad_bias.size, grad_bias.size});
+    zero(grad_bias);
+  }
+
+  void zero(const vector_view<Compute>& v) {
+    if (v.size) backend_.fill_zero(matrix_view<Compute>{v.data, 1, v.size, v.size});
   }
 
   Comm comm_;

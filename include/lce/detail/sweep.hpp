@@ -554,7 +554,7 @@ class chunk_sweep {
         return;
       }
     }
-    if constexpr (std::same_as<GradWeight, Compute> && writes_over_compute_weight_gradient) {
+    if constexpr (std::same_as<GradWeight, Compute> && overwrites_compute_weight_gradient<Backend, Operand, Compute>) {
       // The first chunk (or a tile's first slice) writes the rows, the others add.
       if (sink.overwrite && c.ordinal == 0) {
         grad_weight(dz, c.hidden, alpha, sink.accumulator, Compute(0));
@@ -564,15 +564,6 @@ class chunk_sweep {
     grad_weight(dz, c.hidden, alpha, sink.accumulator);
   }
 
- public:
-  // Whether the backend's dW GEMM into a grad_weight of the compute type takes a beta (0: the
-  // rows written over, for options.overwrite_weight_gradients).
-  static constexpr bool writes_over_compute_weight_gradient =
-      requires(Backend& b, matrix_view<const Operand> operand, matrix_view<Compute> dw, Compute alpha) {
-        b.grad_weight(operand, operand, alpha, dw, alpha);
-      };
-
- private:
 
   // The backend's grad_weight, told the weight's storage type where it takes it (weight_element).
   template <class... Args>

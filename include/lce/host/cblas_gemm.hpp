@@ -19,7 +19,6 @@
 
 #include <concepts>
 #include <cstdint>
-#include <vector>
 
 LCE_BEGIN_NAMESPACE
 
@@ -71,34 +70,22 @@ struct cblas_gemm {
                                  float beta, bfloat16* c, std::int64_t ldc) const {
     if (gemm_into_bf16_available())
       return detail::amx_bf16_gemm_into_bf16(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-    round_sum_into(m, n, beta, c, ldc,
-                   [&](float* sum) { split_bf16_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, 0.0f, sum, n); });
+    detail::round_sum_into_bf16(
+        m, n, beta, c, ldc, [&](float* sum) { split_bf16_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, 0.0f, sum, n); });
   }
 
  protected:
-  // bf16_gemm_into_bf16 of `provider` (this class or one that brings its own bf16_gemm).
+  // bf16_gemm_into_bf16 of `provider` (this class or one that brings its own bf16_gemm); without
+  // AMX lce keeps its dW tiles in its workspace and does not call it.
   template <class Provider>
   static void bf16_gemm_into_bf16_of(const Provider& provider, transpose ta, transpose tb, std::int64_t m,
                                      std::int64_t n, std::int64_t k, float alpha, const bfloat16* a, std::int64_t lda,
                                      const bfloat16* b, std::int64_t ldb, float beta, bfloat16* c, std::int64_t ldc) {
     if (provider.gemm_into_bf16_available())
       return detail::amx_bf16_gemm_into_bf16(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-    round_sum_into(m, n, beta, c, ldc,
-                   [&](float* sum) { provider.bf16_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, 0.0f, sum, n); });
-  }
-
-  // c = bf16(sum + beta c), the fp32 sum written by `gemm` into a buffer of its own (no AMX
-  // here: lce then keeps its dW tiles in its workspace and does not call these).
-  template <class Gemm>
-  static void round_sum_into(std::int64_t m, std::int64_t n, float beta, bfloat16* c, std::int64_t ldc, Gemm&& gemm) {
-    if (m <= 0 || n <= 0) return;
-    std::vector<float> sum(static_cast<std::size_t>(m * n));
-    gemm(sum.data());
-    for (std::int64_t i = 0; i < m; ++i)
-      for (std::int64_t j = 0; j < n; ++j) {
-        const float s = sum[static_cast<std::size_t>(i * n + j)];
-        c[i * ldc + j] = bfloat16(beta == 0.0f ? s : static_cast<float>(c[i * ldc + j]) + s);
-      }
+    detail::round_sum_into_bf16(m, n, beta, c, ldc, [&](float* sum) {
+      provider.bf16_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, 0.0f, sum, n);
+    });
   }
 };
 

@@ -346,9 +346,9 @@ class basic_host {
         // (each element's sum runs over the tokens only, in one depth block).
         const std::int64_t tile = std::clamp<std::int64_t>(
             detail::ceil_div(detail::ceil_div(dz.cols, std::max(1, threads())), 32) * 32, 128, 512);
+        const float beta = overwrite ? 0.0f : 1.0f;
         for_gemm_tiles(detail::ceil_div(dz.cols, tile), [&](std::int64_t t) {
           const std::int64_t first = t * tile, rows = std::min(tile, dz.cols - first);
-          const float beta = overwrite ? 0.0f : 1.0f;
           if constexpr (std::same_as<O, bfloat16>)
             gemm_.bf16_gemm_into_bf16(transpose::yes, transpose::no, rows, x.cols, dz.rows, alpha, dz.data + first,
                                       dz.ld, x.data, x.ld, beta, dw.row(first), dw.ld);
@@ -1038,6 +1038,7 @@ using host_bf16_operands = basic_host<cblas_gemm_bf16_operands>;
 static_assert(backend<host>);
 static_assert(backend<host_bf16_operands>);
 static_assert(overwrites_weight_gradient<host, float, float, bfloat16> &&
-              overwrites_weight_gradient<host_bf16_operands, bfloat16, float, bfloat16>);
+              overwrites_weight_gradient<host_bf16_operands, bfloat16, float, bfloat16> &&
+              overwrites_compute_weight_gradient<host, float, float>);
 
 LCE_END_NAMESPACE

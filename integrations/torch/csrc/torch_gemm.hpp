@@ -48,7 +48,6 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
-#include <vector>
 
 namespace lce_torch {
 
@@ -232,14 +231,8 @@ struct torch_gemm {
                            std::int64_t ldb, float beta, lce::bfloat16* c, std::int64_t ldc) const {
     if (gemm_into_bf16_available())
       return lce::detail::amx_bf16_gemm_into_bf16(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-    if (m <= 0 || n <= 0) return;
-    std::vector<float> sum(static_cast<std::size_t>(m * n));
-    bf16_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, 0.0f, sum.data(), n);
-    for (std::int64_t i = 0; i < m; ++i)
-      for (std::int64_t j = 0; j < n; ++j) {
-        const float s = sum[static_cast<std::size_t>(i * n + j)];
-        c[i * ldc + j] = lce::bfloat16(beta == 0.0f ? s : static_cast<float>(c[i * ldc + j]) + s);
-      }
+    lce::detail::round_sum_into_bf16(
+        m, n, beta, c, ldc, [&](float* sum) { bf16_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, 0.0f, sum, n); });
   }
 
   // What runs the fp32/fp64 GEMMs when it is not lce's BLAS ("" when it is), for blas_info.

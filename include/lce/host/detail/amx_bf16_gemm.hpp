@@ -42,6 +42,7 @@
 
 #include <lce/core/config.hpp>
 #include <lce/core/dtypes.hpp>
+#include <lce/host/detail/widening_bf16_gemm.hpp>
 #include <lce/host/gemm_provider.hpp>
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && defined(__linux__)
@@ -707,13 +708,9 @@ inline void amx_bf16_gemm_into_bf16(transpose ta, transpose tb, std::int64_t m, 
     amx::gemm(m, n, k, alpha, a_view, b_view, beta, reinterpret_cast<std::uint16_t*>(c), ldc);
     return;
   }
-  // Deeper: the fp32 sum in a buffer of its own, then added in (lce's host backend does not
+  // Deeper: the fp32 sum in a buffer of its own, then rounded in (lce's host backend does not
   // call it so: it keeps deeper dW tiles in its workspace).
-  std::unique_ptr<float[]> sum(new float[static_cast<std::size_t>(m * n)]);
-  amx::gemm(m, n, k, alpha, a_view, b_view, 0.0f, sum.get(), n);
-  for (std::int64_t i = 0; i < m; ++i)
-    for (std::int64_t j = 0; j < n; ++j)
-      c[i * ldc + j] = bfloat16(beta == 0.0f ? sum[i * n + j] : static_cast<float>(c[i * ldc + j]) + sum[i * n + j]);
+  round_sum_into_bf16(m, n, beta, c, ldc, [&](float* sum) { amx::gemm(m, n, k, alpha, a_view, b_view, 0.0f, sum, n); });
 }
 
 #pragma GCC diagnostic pop

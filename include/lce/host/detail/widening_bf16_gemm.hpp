@@ -8,6 +8,7 @@
 
 #include <lce/core/config.hpp>
 #include <lce/core/dtypes.hpp>
+#include <lce/host/detail/convert.hpp>
 #include <lce/host/gemm_provider.hpp>
 
 #include <algorithm>
@@ -44,6 +45,23 @@ void widening_bf16_gemm(const Fp32Gemm& sgemm, transpose ta, transpose tb, std::
         wide_b[p * n + j] = static_cast<float>(tb == transpose::yes ? b[j * ldb + p0 + p] : b[(p0 + p) * ldb + j]);
     sgemm(transpose::no, transpose::no, m, n, d, alpha, static_cast<const float*>(wide_a), d,
           static_cast<const float*>(wide_b), n, p0 == 0 ? beta : 1.0f, c, ldc);
+  }
+}
+
+// bf16 C[m, n] = bf16(sum + beta C), beta 0 (C not read) or 1, the fp32 sum written by
+// `fill_sum(float* sum)` into a dense [m, n] buffer of its own: a GEMM into a bf16 C
+// (gemm_provider.hpp) for a GEMM without one. Each element rounded once, as add_span.
+template <class FillSum>
+void round_sum_into_bf16(std::int64_t m, std::int64_t n, float beta, bfloat16* c, std::int64_t ldc,
+                         FillSum&& fill_sum) {
+  if (m <= 0 || n <= 0) return;
+  std::vector<float> sum(static_cast<std::size_t>(m * n));
+  fill_sum(sum.data());
+  for (std::int64_t i = 0; i < m; ++i) {
+    if (beta == 0.0f)
+      convert_span(static_cast<const float*>(sum.data() + i * n), c + i * ldc, n);
+    else
+      add_span(static_cast<const float*>(sum.data() + i * n), c + i * ldc, n);
   }
 }
 
