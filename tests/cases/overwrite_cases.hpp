@@ -51,6 +51,40 @@ void matches_reference(int threads = 0) {
   }
 }
 
+// A forward_backward of no more tokens than the hidden size keeps the
+// logits of its first sweep over the vocabulary tiles in grad_weight, which
+// it writes over anyway, until its second (detail/engine.hpp:
+// kept_logits_plan): the default budget, every scaling (the soft-cap goes
+// onto the kept logits in place), grad_weight NaN before. The operator then
+// holds the first, narrow tile of every token (N^2 4,096 / H logits), not
+// all their logits. With grad_weight's rows padded, nothing is kept there:
+// the token order's chunk holds them, and the padding is left alone.
+template <class Env, class T>
+void logits_kept_in_grad_weight(int threads = 0) {
+  static_assert(std::is_same_v<T, lce::compute_t<T>>, "grad_weight holds the logits in the compute type");
+  using vocabulary_order::tokens, vocabulary_order::hidden, vocabulary_order::vocab;
+  static_assert(tokens <= hidden, "a tile's logits of every token fit in its rows of grad_weight");
+  const std::size_t all_logits = static_cast<std::size_t>(tokens * vocab) * sizeof(T);
+  for (const auto& s : scalings)
+    for (const bool padded : {false, true}) {
+      CAPTURE(s.tau);
+      CAPTURE(s.cap);
+      CAPTURE(padded);
+      const auto in = vocabulary_order::exercise_inputs_for<T>(s);
+      const std::vector<double> nan(in.pre.size(), std::numeric_limits<double>::quiet_NaN()),
+          zero(in.pre.size(), 0.0);
+      lce::options opt = make_options(s.tau, s.cap);
+      opt.overwrite_weight_gradients = true;
+      auto op = Env::template make_op<T>(opt, threads);
+      layout padding;
+      if (padded) padding.gw_ld = hidden + 5;
+      check_against_reference(exercise<T, T>(op, in.p, in.g, in.hg, nan, padding), in.p, in.g, in.hg, zero);
+      CAPTURE(op.held_workspace_bytes());
+      if (padded) CHECK(op.held_workspace_bytes() >= all_logits);
+      else CHECK(op.held_workspace_bytes() < all_logits / 2);
+    }
+}
+
 // grad_bias too, and a call with no tokens: both gradients become zero.
 template <class Env, class T>
 void bias_and_empty_calls() {

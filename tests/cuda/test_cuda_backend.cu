@@ -95,6 +95,10 @@ TEST_CASE_TEMPLATE("cuda: overwrite_weight_gradients: grad_bias too, and a call 
   cases::overwrite::bias_and_empty_calls<cuda_env, T>();
 }
 
+TEST_CASE("cuda: overwrite_weight_gradients: a forward_backward keeps its logits in grad_weight between its sweeps") {
+  cases::overwrite::logits_kept_in_grad_weight<cuda_env, float>();
+}
+
 TEST_CASE_TEMPLATE("cuda: with_bias: forward, backward and forward_backward equal the head with the bias as a column",
                    T, LCE_CUDA_TYPES) {
   cases::bias::matches_bias_as_a_column<cuda_env, T>();

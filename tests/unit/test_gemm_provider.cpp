@@ -5,8 +5,11 @@
 // logits and dX GEMMs; the concept rejects what is not a provider.
 #include "support/harness.hpp"
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <vector>
 
@@ -16,6 +19,7 @@ namespace {
 
 struct call_counts {
   std::atomic<std::int64_t> gemm{0}, bf16_gemm{0}, split_gemm{0};
+  std::atomic<std::int64_t> logits_columns{0};  // of `gemm`'s x w^T (A as it is, B transposed): columns of C
 };
 
 // C = alpha op(A) op(B) + beta C in plain loops, summed in the operands' type
@@ -44,6 +48,7 @@ struct counting_gemm {
   void gemm(lce::transpose ta, lce::transpose tb, std::int64_t m, std::int64_t n, std::int64_t k, A alpha, const A* a,
             std::int64_t lda, const A* b, std::int64_t ldb, A beta, A* c, std::int64_t ldc) const {
     counts->gemm.fetch_add(1);
+    if (ta == lce::transpose::no && tb == lce::transpose::yes) counts->logits_columns.fetch_add(n);
     loop_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
 };
@@ -246,4 +251,40 @@ TEST_CASE("basic_host: the provider object is the one held and called; threads a
   CHECK(gemm.counts->gemm.load() == 1);
   CHECK(c == std::vector<float>{17, 23, 39, 53});  // a b^T
   CHECK(lce::basic_host<counting_gemm>(gemm).threads() == lce::host{}.threads());
+}
+
+// A forward_backward that keeps its logits in grad_weight between its two
+// sweeps over the vocabulary (overwrite_weight_gradients, tokens <= hidden,
+// the host's 1,024-column tiles) computes each logit once, as the token
+// order does (one chunk without the overwrite), where the vocabulary order
+// computes them twice: its GEMMs' columns sum to V, not 2 V.
+TEST_CASE("a forward_backward keeping its logits in grad_weight computes each tile's logits once") {
+  using T = float;
+  const std::int64_t n = 48, h = 64, v = 5000;  // tiles of 1,024 columns, the last of 904
+  const problem p = make_problem(n, h, v, 81, rounder_for<T>(), 1.0, 0.3, 0.1);
+  const auto g = random_vector(n, 82, -1.0, 1.0, rounder_for<T>());
+  const auto X = make_matrix<T>(p.x, n, h);
+  const auto W = make_matrix<T>(p.w, v, h);
+  const auto Y = make_targets<std::int64_t>(p.y);
+  const vector_buf<T> G(g);
+  const auto run = [&](bool overwrite) {
+    const counting_whole_gemm gemm;
+    auto opt = make_options(1.0f, 0.0f, 0);
+    opt.overwrite_weight_gradients = overwrite;
+    lce::ChunkedHiddenToLogprobs<lce::comm::single, T, lce::budget_chunk, lce::basic_host<counting_whole_gemm>> op(
+        lce::comm::single{}, opt, lce::basic_host<counting_whole_gemm>(gemm, 2));
+    vector_buf<T> lp(n);
+    matrix_buf<T> gh(n, h), gw(v, h);
+    gw.fill(overwrite ? std::numeric_limits<T>::quiet_NaN() : T(0));
+    op.forward_backward(X.cview(), W.cview(), Y.cview(), G.cview(), lp.view(), gh.view(), gw.view());
+    const auto ref = reference_forward(p);
+    const auto want = reference_backward(p, ref, g, {});
+    std::int64_t off = 0;  // NaN counts as off
+    for (std::int64_t j = 0; j < v * h; ++j) off += !(std::fabs(gw.get(j / h, j % h) - want.dw[j]) <= 1e-5);
+    for (std::int64_t j = 0; j < n * h; ++j) off += !(std::fabs(gh.get(j / h, j % h) - want.dx[j]) <= 1e-5);
+    CHECK(off == 0);
+    return gemm.counts->logits_columns.load();
+  };
+  CHECK(run(true) == v);
+  CHECK(run(false) == v);
 }

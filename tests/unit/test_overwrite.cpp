@@ -15,3 +15,8 @@ TEST_CASE_TEMPLATE("overwrite_weight_gradients: grad_bias too, and a call with n
                    lce::bfloat16, float, double) {
   cases::overwrite::bias_and_empty_calls<host_env, T>();
 }
+
+TEST_CASE_TEMPLATE("overwrite_weight_gradients: a forward_backward keeps its logits in grad_weight between its sweeps",
+                   T, float, double) {
+  cases::overwrite::logits_kept_in_grad_weight<host_env, T>(3);
+}
