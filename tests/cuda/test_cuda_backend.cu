@@ -95,6 +95,10 @@ TEST_CASE_TEMPLATE("cuda: overwrite_weight_gradients: grad_bias too, and a call 
   cases::overwrite::bias_and_empty_calls<cuda_env, T>();
 }
 
+// Its compute-type dW GEMM takes beta 0: the first chunk writes a float grad_weight, and a
+// forward_backward may keep its logits there.
+static_assert(lce::overwrites_compute_weight_gradient<lce::cuda_backend, float, float>);
+
 TEST_CASE("cuda: overwrite_weight_gradients: a forward_backward keeps its logits in grad_weight between its sweeps") {
   cases::overwrite::logits_kept_in_grad_weight<cuda_env, float>();
 }

@@ -16,6 +16,9 @@ TEST_CASE_TEMPLATE("overwrite_weight_gradients: grad_bias too, and a call with n
   cases::overwrite::bias_and_empty_calls<host_env, T>();
 }
 
+static_assert(lce::overwrites_compute_weight_gradient<lce::host, float, float> &&
+              lce::overwrites_compute_weight_gradient<lce::host, double, double>);
+
 TEST_CASE_TEMPLATE("overwrite_weight_gradients: a forward_backward keeps its logits in grad_weight between its sweeps",
                    T, float, double) {
   cases::overwrite::logits_kept_in_grad_weight<host_env, T>(3);

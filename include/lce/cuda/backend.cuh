@@ -141,6 +141,13 @@ class cuda_backend : public detail::cuda_plan_traits {
     detail::cublas::grad_weight(handle(), state_->options.allow_tf32, dz, x, alpha, dw, A(1));
   }
 
+  // dw = alpha dz^T x + beta dw into a grad_weight of the compute type, beta 0 or 1
+  // (overwrites_compute_weight_gradient): beta 0 writes it without reading it.
+  template <class In, class A>
+  void grad_weight(matrix_view<const In> dz, matrix_view<const In> x, A alpha, matrix_view<A> dw, A beta) {
+    detail::cublas::grad_weight(handle(), state_->options.allow_tf32, dz, x, alpha, dw, beta);
+  }
+
   // dw += alpha dz^T x into a 2-byte grad_weight of the inputs' own type
   // (adds_weight_gradient_tiles; no tile scratch, see cuda_plan_traits).
   template <class O, class A, class G>

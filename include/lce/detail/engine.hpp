@@ -853,8 +853,9 @@ class engine {
       adds_weight_gradient_tiles<Backend, Operand, Compute, GradWeight>;
 
   // Whether a forward_backward may keep the logits of its first sweep over
-  // the vocabulary tiles in grad_weight until its second: grad_weight in the
-  // compute type, written over and never read
+  // the vocabulary tiles in grad_weight until its second: GEMMs on the
+  // compute type (dz made in place of the kept logits, no operand block of
+  // a tile's width), grad_weight in the compute type, written over and never read
   // (options.overwrite_weight_gradients, with a backend whose dW GEMM takes
   // beta 0), its rows contiguous, and no more tokens than the hidden size,
   // so that a tile's [N, tile] logits fit in a tile's rows of it. The tiles'
@@ -864,7 +865,8 @@ class engine {
   bool logits_fit_grad_weight(call_kind kind, const GradWeight& grad_weight, std::int64_t n_tokens) const {
     if constexpr (std::same_as<GradWeight, matrix_view<Compute>>) {
       return kind == call_kind::forward_backward && options_.overwrite_weight_gradients &&
-             overwrites_compute_weight_gradient<Backend, Operand, Compute> && comm_.size() == 1 && n_tokens > 0 &&
+             std::same_as<Operand, Compute> && overwrites_compute_weight_gradient<Backend, Operand, Compute> &&
+             comm_.size() == 1 && n_tokens > 0 &&
              grad_weight.ld == grad_weight.cols && n_tokens <= grad_weight.cols;
     } else {
       return false;
@@ -1104,7 +1106,8 @@ class engine {
     } else {
       constexpr std::int64_t tile = vocabulary_tile_min_columns;
       if (comm_.size() != 1 || n_tokens < 1 || n_tokens > hidden || vocab_local <= tile) return {};
-      const std::int64_t first = std::min(tile, detail::ceil_div(detail::ceil_div(tile * n_tokens, hidden), line_elements) * line_elements);
+      const std::int64_t first =
+          std::min(tile, detail::ceil_div(detail::ceil_div(tile * n_tokens, hidden), line_elements) * line_elements);
       const auto plan = workspace_plan<Compute>::make(vocabulary_tile_shape(hidden, first, 0), n_tokens);
       if (plan.bytes > options_.workspace_limit_bytes) return {};
       return {.plan = plan, .tiles_into_grad_weight = true, .vocab_tile = tile, .first_vocab_tile = first,
