@@ -135,16 +135,10 @@ class cuda_backend : public detail::cuda_plan_traits {
     detail::cublas::grad_hidden(handle(), state_->options.allow_tf32, dz, w, alpha, dx, beta);
   }
 
-  // dw += alpha dz^T x
+  // dw = alpha dz^T x + beta dw into a grad_weight of the compute type: beta 1 adds, beta 0
+  // (overwrites_compute_weight_gradient) writes it without reading it.
   template <class In, class A>
-  void grad_weight(matrix_view<const In> dz, matrix_view<const In> x, A alpha, matrix_view<A> dw) {
-    detail::cublas::grad_weight(handle(), state_->options.allow_tf32, dz, x, alpha, dw, A(1));
-  }
-
-  // dw = alpha dz^T x + beta dw into a grad_weight of the compute type, beta 0 or 1
-  // (overwrites_compute_weight_gradient): beta 0 writes it without reading it.
-  template <class In, class A>
-  void grad_weight(matrix_view<const In> dz, matrix_view<const In> x, A alpha, matrix_view<A> dw, A beta) {
+  void grad_weight(matrix_view<const In> dz, matrix_view<const In> x, A alpha, matrix_view<A> dw, A beta = A(1)) {
     detail::cublas::grad_weight(handle(), state_->options.allow_tf32, dz, x, alpha, dw, beta);
   }
 

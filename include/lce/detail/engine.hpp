@@ -366,7 +366,7 @@ class engine {
         // Or once, kept in grad_weight in between (logits_fit_grad_weight).
         matrix_view<Compute> keep_logits_in{};
         if constexpr (std::same_as<GradWeight, Compute>)
-          if (call.logits_in_grad_weight) keep_logits_in = grad_weight;
+          if (call.keeps_logits_in_grad_weight()) keep_logits_in = grad_weight;
         sweep.run(in, [&](const auto& whole) {
           statistics_by_vocabulary_tiles(sweep, whole, call, with_entropy, out.has_mean_logit, keep_logits_in);
           scatter_outputs(sweep, whole, out);
@@ -406,9 +406,12 @@ class engine {
     Compute* weight_gradient_scratch = nullptr;
     bool tiles_into_grad_weight = false;
     std::int64_t vocab_tile = 0;            // > 0: the vocabulary order (vocabulary_tiles_plan)
-    std::int64_t first_vocab_tile = 0;      // > 0: the first tile's columns, if not vocab_tile
-    bool logits_in_grad_weight = false;     // the vocabulary order's logits kept in grad_weight (kept_logits_plan)
+    // > 0: the first tile's columns, narrower than vocab_tile: the tiles' logits kept in grad_weight
+    // (kept_logits_plan), only the first's in the logit block.
+    std::int64_t first_vocab_tile = 0;
     std::int64_t vocab = 0;                 // the whole vocabulary V
+
+    bool keeps_logits_in_grad_weight() const { return first_vocab_tile > 0; }
   };
 
   // ---- the vocabulary order (vocabulary_tiles_plan) ------------------------------
@@ -723,7 +726,6 @@ class engine {
           call.plan = order.plan;
           call.vocab_tile = order.vocab_tile;
           call.first_vocab_tile = order.first_vocab_tile;
-          call.logits_in_grad_weight = order.logits_in_grad_weight;
           call.workspace = workspace_.reserve(backend_, call.plan.bytes, "workspace");
         }
       });
@@ -924,10 +926,9 @@ class engine {
     // tiles_into_grad_weight all the tokens at once, else in slices of
     // plan.block_rows, each tile's dW summed in a [vocab_tile, H] accumulator.
     std::int64_t vocab_tile = 0;
-    std::int64_t first_vocab_tile = 0;  // > 0: the first tile's columns, if not vocab_tile
-    // A forward_backward in the vocabulary order, all its rows at once, that keeps
-    // its logits between the two sweeps in grad_weight (kept_logits_plan).
-    bool logits_in_grad_weight = false;
+    // > 0: a forward_backward in the vocabulary order, all its rows at once, that keeps its
+    // logits between the two sweeps in grad_weight (kept_logits_plan); the first tile's columns.
+    std::int64_t first_vocab_tile = 0;
   };
 
   // The plan of a call that writes a grad_weight of element G (not the
@@ -1091,8 +1092,8 @@ class engine {
     return shape;
   }
 
-  // The vocabulary order of a forward_backward that keeps its logits in
-  // grad_weight (logits_fit_grad_weight), all its rows at once: tiles of
+  // The vocabulary order of a forward_backward whose logits fit grad_weight
+  // (logits_fit_grad_weight: one rank, N <= H), all its rows at once: tiles of
   // vocabulary_tile_min_columns rows, since each tile's logits but the
   // first's lie in grad_weight, not in the logit block. Only the first
   // tile's take the block, so it is only as wide as the second tile's
@@ -1105,13 +1106,12 @@ class engine {
       return {};
     } else {
       constexpr std::int64_t tile = vocabulary_tile_min_columns;
-      if (comm_.size() != 1 || n_tokens < 1 || n_tokens > hidden || vocab_local <= tile) return {};
+      if (vocab_local <= tile) return {};
       const std::int64_t first =
           std::min(tile, detail::ceil_div(detail::ceil_div(tile * n_tokens, hidden), line_elements) * line_elements);
       const auto plan = workspace_plan<Compute>::make(vocabulary_tile_shape(hidden, first, 0), n_tokens);
       if (plan.bytes > options_.workspace_limit_bytes) return {};
-      return {.plan = plan, .tiles_into_grad_weight = true, .vocab_tile = tile, .first_vocab_tile = first,
-              .logits_in_grad_weight = true};
+      return {.plan = plan, .tiles_into_grad_weight = true, .vocab_tile = tile, .first_vocab_tile = first};
     }
   }
 

@@ -564,7 +564,6 @@ class chunk_sweep {
     grad_weight(dz, c.hidden, alpha, sink.accumulator);
   }
 
-
   // The backend's grad_weight, told the weight's storage type where it takes it (weight_element).
   template <class... Args>
   void grad_weight(const Args&... args) {

@@ -62,7 +62,7 @@ struct cblas_gemm {
   void bf16_gemm_into_bf16(transpose ta, transpose tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
                            const bfloat16* a, std::int64_t lda, const bfloat16* b, std::int64_t ldb, float beta,
                            bfloat16* c, std::int64_t ldc) const {
-    bf16_gemm_into_bf16_of(*this, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    detail::bf16_gemm_into_bf16_of(*this, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
 
   void split_bf16_gemm_into_bf16(transpose ta, transpose tb, std::int64_t m, std::int64_t n, std::int64_t k,
@@ -72,20 +72,6 @@ struct cblas_gemm {
       return detail::amx_bf16_gemm_into_bf16(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     detail::round_sum_into_bf16(
         m, n, beta, c, ldc, [&](float* sum) { split_bf16_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, 0.0f, sum, n); });
-  }
-
- protected:
-  // bf16_gemm_into_bf16 of `provider` (this class or one that brings its own bf16_gemm); without
-  // AMX lce keeps its dW tiles in its workspace and does not call it.
-  template <class Provider>
-  static void bf16_gemm_into_bf16_of(const Provider& provider, transpose ta, transpose tb, std::int64_t m,
-                                     std::int64_t n, std::int64_t k, float alpha, const bfloat16* a, std::int64_t lda,
-                                     const bfloat16* b, std::int64_t ldb, float beta, bfloat16* c, std::int64_t ldc) {
-    if (provider.gemm_into_bf16_available())
-      return detail::amx_bf16_gemm_into_bf16(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-    detail::round_sum_into_bf16(m, n, beta, c, ldc, [&](float* sum) {
-      provider.bf16_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, 0.0f, sum, n);
-    });
   }
 };
 
@@ -111,7 +97,7 @@ struct cblas_gemm_bf16_operands : cblas_gemm {
   void bf16_gemm_into_bf16(transpose ta, transpose tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
                            const bfloat16* a, std::int64_t lda, const bfloat16* b, std::int64_t ldb, float beta,
                            bfloat16* c, std::int64_t ldc) const {
-    bf16_gemm_into_bf16_of(*this, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    detail::bf16_gemm_into_bf16_of(*this, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
 };
 

@@ -229,10 +229,7 @@ struct torch_gemm {
   void bf16_gemm_into_bf16(lce::transpose ta, lce::transpose tb, std::int64_t m, std::int64_t n, std::int64_t k,
                            float alpha, const lce::bfloat16* a, std::int64_t lda, const lce::bfloat16* b,
                            std::int64_t ldb, float beta, lce::bfloat16* c, std::int64_t ldc) const {
-    if (gemm_into_bf16_available())
-      return lce::detail::amx_bf16_gemm_into_bf16(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-    lce::detail::round_sum_into_bf16(
-        m, n, beta, c, ldc, [&](float* sum) { bf16_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, 0.0f, sum, n); });
+    lce::detail::bf16_gemm_into_bf16_of(*this, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
 
   // What runs the fp32/fp64 GEMMs when it is not lce's BLAS ("" when it is), for blas_info.

@@ -743,5 +743,17 @@ inline void amx_bf16_gemm_into_bf16(transpose, transpose, std::int64_t, std::int
 
 #endif
 
+// A provider's bf16_gemm_into_bf16 (gemm_provider.hpp): this kernel where the provider says
+// gemm_into_bf16_available(), else the provider's own bf16_gemm into an fp32 sum rounded in.
+template <class Provider>
+void bf16_gemm_into_bf16_of(const Provider& provider, transpose ta, transpose tb, std::int64_t m, std::int64_t n,
+                            std::int64_t k, float alpha, const bfloat16* a, std::int64_t lda, const bfloat16* b,
+                            std::int64_t ldb, float beta, bfloat16* c, std::int64_t ldc) {
+  if (provider.gemm_into_bf16_available())
+    return amx_bf16_gemm_into_bf16(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  round_sum_into_bf16(m, n, beta, c, ldc,
+                      [&](float* sum) { provider.bf16_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, 0.0f, sum, n); });
+}
+
 }  // namespace detail
 LCE_END_NAMESPACE
