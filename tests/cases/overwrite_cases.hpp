@@ -51,38 +51,46 @@ void matches_reference(int threads = 0) {
   }
 }
 
-// A forward_backward of no more tokens than the hidden size keeps the
-// logits of its first sweep over the vocabulary tiles in grad_weight, which
-// it writes over anyway, until its second (detail/engine.hpp:
-// kept_logits_plan): the default budget, every scaling (the soft-cap goes
-// onto the kept logits in place), grad_weight NaN before. The operator then
-// holds the first, narrow tile of every token (N^2 4,096 / H logits), not
-// all their logits. With grad_weight's rows padded, nothing is kept there:
-// the token order's chunk holds them, and the padding is left alone.
+// A forward_backward whose grad_weight rows hold a logit column of every
+// token (N x sizeof(compute) <= H x sizeof(grad_weight): N <= H in fp32, N <=
+// H / 2 for a 2-byte grad_weight) keeps the logits of its first sweep over
+// the vocabulary tiles in grad_weight, which it writes over anyway, until
+// its second (detail/engine.hpp: kept_logits_plan): the default budget,
+// every scaling (the soft-cap goes onto the kept logits in place),
+// grad_weight NaN before, at the limit (each tile as wide as the one
+// before) and below it (the tiles start narrow and grow). The operator then
+// holds the first tile of every token, not all their logits. With
+// grad_weight's rows padded, nothing is kept there and the padding is left
+// alone: a grad_weight of the compute type then takes the token order's
+// chunk of all the logits.
 template <class Env, class T>
 void logits_kept_in_grad_weight(int threads = 0) {
-  static_assert(std::is_same_v<T, lce::compute_t<T>>, "grad_weight holds the logits in the compute type");
-  using vocabulary_order::tokens, vocabulary_order::hidden, vocabulary_order::vocab;
-  static_assert(tokens <= hidden, "a tile's logits of every token fit in its rows of grad_weight");
-  const std::size_t all_logits = static_cast<std::size_t>(tokens * vocab) * sizeof(T);
-  for (const auto& s : scalings)
-    for (const bool padded : {false, true}) {
-      CAPTURE(s.tau);
-      CAPTURE(s.cap);
-      CAPTURE(padded);
-      const auto in = vocabulary_order::exercise_inputs_for<T>(s);
-      const std::vector<double> nan(in.pre.size(), std::numeric_limits<double>::quiet_NaN()),
-          zero(in.pre.size(), 0.0);
-      lce::options opt = make_options(s.tau, s.cap);
-      opt.overwrite_weight_gradients = true;
-      auto op = Env::template make_op<T>(opt, threads);
-      layout padding;
-      if (padded) padding.gw_ld = hidden + 5;
-      check_against_reference(exercise<T, T>(op, in.p, in.g, in.hg, nan, padding), in.p, in.g, in.hg, zero);
-      CAPTURE(op.held_workspace_bytes());
-      if (padded) CHECK(op.held_workspace_bytes() >= all_logits);
-      else CHECK(op.held_workspace_bytes() < all_logits / 2);
-    }
+  using G = narrow_t<T>;
+  using vocabulary_order::tokens, vocabulary_order::vocab;
+  const std::size_t all_logits = static_cast<std::size_t>(tokens * vocab) * sizeof(lce::compute_t<T>);
+  // At the limit, and with twice the room per row: tiles of 512, 1,024, 2,048 and then 4,096 columns.
+  const std::int64_t at_limit = tokens * static_cast<std::int64_t>(sizeof(lce::compute_t<T>) / sizeof(G));
+  for (const std::int64_t h : {at_limit, 2 * at_limit})
+    for (const auto& s : scalings)
+      for (const bool padded : {false, true}) {
+        CAPTURE(h);
+        CAPTURE(s.tau);
+        CAPTURE(s.cap);
+        CAPTURE(padded);
+        const auto in = vocabulary_order::exercise_inputs_for<T>(s, h);
+        const std::vector<double> nan(in.pre.size(), std::numeric_limits<double>::quiet_NaN()),
+            zero(in.pre.size(), 0.0);
+        lce::options opt = make_options(s.tau, s.cap);
+        opt.overwrite_weight_gradients = true;
+        auto op = Env::template make_op<T>(opt, threads);
+        layout padding;
+        if (padded) padding.gw_ld = h + 5;
+        check_against_reference(exercise<T, G>(op, in.p, in.g, in.hg, nan, padding), in.p, in.g, in.hg, zero,
+                                Env::template gradient_operand_unit<T>, Env::template gradient_operand_floor<T>);
+        CAPTURE(op.held_workspace_bytes());
+        if (!padded) CHECK(op.held_workspace_bytes() < all_logits / 2);
+        else if (std::is_same_v<G, lce::compute_t<T>>) CHECK(op.held_workspace_bytes() >= all_logits);
+      }
 }
 
 // grad_bias too, and a call with no tokens: both gradients become zero.

@@ -141,8 +141,8 @@ struct exercise_inputs {
 };
 
 template <class T>
-exercise_inputs exercise_inputs_for(const scaling& s) {
-  exercise_inputs in{make_problem(tokens, hidden, vocab, 61, rounder_for<T>(), 1.0, 0.3, 0.1), {}, {}, {}};
+exercise_inputs exercise_inputs_for(const scaling& s, std::int64_t h = hidden) {
+  exercise_inputs in{make_problem(tokens, h, vocab, 61, rounder_for<T>(), 1.0, 0.3, 0.1), {}, {}, {}};
   in.p.tau = s.tau;
   in.p.cap = s.cap;
   in.g = random_vector(in.p.n, 62, -1.0, 1.0, rounder_for<out_t<T>>());

@@ -12,6 +12,7 @@
 #include "cases/edge_cases.hpp"
 #include "cases/error_cases.hpp"
 #include "cases/forward_cases.hpp"
+#include "cases/overwrite_cases.hpp"
 #include "cases/target_set_cases.hpp"
 
 #include <lce/host/detail/widening_bf16_gemm.hpp>
@@ -32,6 +33,7 @@ struct gemm_calls {
     std::int64_t m, n, k;
   };
   std::atomic<std::int64_t> fp32{0}, bf16{0}, availability_asked{0};
+  std::atomic<std::int64_t> logits_elements{0};  // of the bf16 GEMMs x w^T
   std::mutex bf16_shapes_mutex;
   std::vector<shape> bf16_shapes;  // each bf16 GEMM's output extent and depth
 };
@@ -73,6 +75,7 @@ struct loop_bf16_operand_gemm {
                  const lce::bfloat16* a, std::int64_t lda, const lce::bfloat16* b, std::int64_t ldb, float beta,
                  float* c, std::int64_t ldc) const {
     calls->bf16.fetch_add(1);
+    if (ta == lce::transpose::no && tb == lce::transpose::yes) calls->logits_elements.fetch_add(m * n);
     {
       const std::lock_guard lock(calls->bf16_shapes_mutex);
       calls->bf16_shapes.push_back({m, n, k});
@@ -307,6 +310,43 @@ TEST_CASE("bf16 operands: the vocabulary order (all tokens at once, the vocabula
     const auto diff = exercise<T, T>(one_thread, p, g, hg, pre).bitwise_diff(tiled);
     CHECK_MESSAGE(diff.empty(), "host{1} vs host{3}: " << diff);
   }
+}
+
+// A forward_backward over a bf16 grad_weight whose rows hold a logit
+// column of every token in fp32 (N <= H / 2) keeps its logits there between
+// its two sweeps over the vocabulary, dz rounded over the first half of each
+// kept row (overwrite_cases.hpp: against the reference, every scaling).
+// Each logit is then computed once, where the vocabulary order without
+// the overwrite computes them twice: the logits GEMMs' outputs sum to N x V,
+// not 2 N x V.
+TEST_CASE("bf16 operands: a forward_backward keeps its logits in a bf16 grad_weight between its sweeps") {
+  using T = lce::bfloat16;
+  expect_gemms<T>([] { cases::overwrite::logits_kept_in_grad_weight<bf16_operands_env, T>(3); });
+  cases::overwrite::logits_kept_in_grad_weight<cblas_bf16_operands_env, T>(3);
+
+  const std::int64_t n = 48, h = 128, v = 12001;
+  const problem p = make_problem(n, h, v, 95, rounder_for<T>(), 1.0, 0.3, 0.1);
+  const auto g = random_vector(n, 96, -1.0, 1.0, rounder_for<float>());
+  const auto X = make_matrix<T>(p.x, n, h);
+  const auto W = make_matrix<T>(p.w, v, h);
+  const auto Y = make_targets<std::int64_t>(p.y);
+  const vector_buf<float> G(g);
+  const auto logits_computed = [&](bool overwrite) {
+    auto opt = make_options(1.0f, 0.0f);
+    opt.overwrite_weight_gradients = overwrite;
+    auto op = bf16_operands_env::make_op<T>(opt, 2);
+    vector_buf<float> lp(n);
+    matrix_buf<T> gh(n, h), gw(v, h);
+    gw.fill(overwrite ? lce::bfloat16(std::numeric_limits<float>::quiet_NaN()) : lce::bfloat16(0.0f));
+    const std::int64_t before = shared_calls().logits_elements.load();
+    op.forward_backward(X.cview(), W.cview(), Y.cview(), G.cview(), lp.view(), gh.view(), gw.view());
+    std::int64_t nan = 0;
+    for (std::int64_t j = 0; j < v * h; ++j) nan += std::isnan(gw.get(j / h, j % h));
+    CHECK(nan == 0);
+    return shared_calls().logits_elements.load() - before;
+  };
+  CHECK(logits_computed(true) == n * v);
+  CHECK(logits_computed(false) == 2 * n * v);
 }
 
 TEST_CASE("bf16 operands: dX goes to the bf16 GEMM in tiles of at least 512 x 512, and sums as one GEMM") {

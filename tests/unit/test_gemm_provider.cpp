@@ -254,37 +254,46 @@ TEST_CASE("basic_host: the provider object is the one held and called; threads a
 }
 
 // A forward_backward that keeps its logits in grad_weight between its two
-// sweeps over the vocabulary (overwrite_weight_gradients, tokens <= hidden,
-// the host's 1,024-column tiles) computes each logit once, as the token
-// order does (one chunk without the overwrite), where the vocabulary order
-// computes them twice: its GEMMs' columns sum to V, not 2 V.
-TEST_CASE("a forward_backward keeping its logits in grad_weight computes each tile's logits once") {
-  using T = float;
-  const std::int64_t n = 48, h = 64, v = 5000;  // tiles of 1,024 columns, the last of 904
+// sweeps over the vocabulary (overwrite_weight_gradients, grad_weight rows
+// that hold a logit column of every token: tokens <= hidden in fp32, <=
+// hidden / 2 for a 2-byte or a float grad_weight of a double operator)
+// computes each logit once, as the token order does (one chunk without the
+// overwrite), where the vocabulary order computes them twice: its GEMMs'
+// columns sum to V, not 2 V (a 2-byte or float grad_weight without the
+// overwrite takes the vocabulary order: 2 V).
+TEST_CASE_TEMPLATE("a forward_backward keeping its logits in grad_weight computes each tile's logits once", T, float,
+                   double, lce::bfloat16) {
+  using C = lce::compute_t<T>;
+  using G = std::conditional_t<std::is_same_v<T, double>, float, T>;
+  const std::int64_t n = 48, v = 5000;  // tiles of 1,024 columns, the last of 904
+  const std::int64_t h = n * static_cast<std::int64_t>(sizeof(C) / sizeof(G)) * 4 / 3;
   const problem p = make_problem(n, h, v, 81, rounder_for<T>(), 1.0, 0.3, 0.1);
-  const auto g = random_vector(n, 82, -1.0, 1.0, rounder_for<T>());
+  const auto g = random_vector(n, 82, -1.0, 1.0, rounder_for<C>());
   const auto X = make_matrix<T>(p.x, n, h);
   const auto W = make_matrix<T>(p.w, v, h);
   const auto Y = make_targets<std::int64_t>(p.y);
-  const vector_buf<T> G(g);
+  const vector_buf<C> Gv(g);
+  const double unit = std::is_same_v<G, C> ? 0.0 : std::is_same_v<G, float> ? 0x1p-24 : 0x1p-8;
   const auto run = [&](bool overwrite) {
     const counting_whole_gemm gemm;
     auto opt = make_options(1.0f, 0.0f, 0);
     opt.overwrite_weight_gradients = overwrite;
     lce::ChunkedHiddenToLogprobs<lce::comm::single, T, lce::budget_chunk, lce::basic_host<counting_whole_gemm>> op(
         lce::comm::single{}, opt, lce::basic_host<counting_whole_gemm>(gemm, 2));
-    vector_buf<T> lp(n);
-    matrix_buf<T> gh(n, h), gw(v, h);
-    gw.fill(overwrite ? std::numeric_limits<T>::quiet_NaN() : T(0));
-    op.forward_backward(X.cview(), W.cview(), Y.cview(), G.cview(), lp.view(), gh.view(), gw.view());
+    vector_buf<C> lp(n);
+    matrix_buf<G> gh(n, h), gw(v, h);
+    gw.fill(overwrite ? G(std::numeric_limits<float>::quiet_NaN()) : G(0.0f));
+    op.forward_backward(X.cview(), W.cview(), Y.cview(), Gv.cview(), lp.view(), gh.view(), gw.view());
     const auto ref = reference_forward(p);
     const auto want = reference_backward(p, ref, g, {});
     std::int64_t off = 0;  // NaN counts as off
-    for (std::int64_t j = 0; j < v * h; ++j) off += !(std::fabs(gw.get(j / h, j % h) - want.dw[j]) <= 1e-5);
-    for (std::int64_t j = 0; j < n * h; ++j) off += !(std::fabs(gh.get(j / h, j % h) - want.dx[j]) <= 1e-5);
+    for (std::int64_t j = 0; j < v * h; ++j)
+      off += !(std::fabs(gw.get(j / h, j % h) - want.dw[j]) <= 1e-5 + unit * std::fabs(want.dw[j]));
+    for (std::int64_t j = 0; j < n * h; ++j)
+      off += !(std::fabs(gh.get(j / h, j % h) - want.dx[j]) <= 1e-5 + unit * std::fabs(want.dx[j]));
     CHECK(off == 0);
     return gemm.counts->logits_columns.load();
   };
   CHECK(run(true) == v);
-  CHECK(run(false) == v);
+  CHECK(run(false) == (std::is_same_v<G, C> ? v : 2 * v));
 }

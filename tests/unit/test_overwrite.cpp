@@ -20,6 +20,6 @@ static_assert(lce::overwrites_compute_weight_gradient<lce::host, float, float> &
               lce::overwrites_compute_weight_gradient<lce::host, double, double>);
 
 TEST_CASE_TEMPLATE("overwrite_weight_gradients: a forward_backward keeps its logits in grad_weight between its sweeps",
-                   T, float, double) {
+                   T, float, double, lce::bfloat16, lce::float16) {
   cases::overwrite::logits_kept_in_grad_weight<host_env, T>(3);
 }
