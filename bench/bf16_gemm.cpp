@@ -14,8 +14,8 @@
 // each round, so they share the machine's state):
 //   lce float      lce::host with a float weight (sgemm tiles)
 //   lce bf16       lce::host with a bf16 weight, on the bf16 GEMM it chose (the header's
-//                  "bf16 GEMMs:" says which; LCE_BF16_GEMM=amx|onednn|widen asks): on lce's
-//                  AMX kernel, logits bf16 and dX, dW with dz split into hi + lo as the
+//                  "bf16 GEMMs:" says which; LCE_BF16_GEMM=amx|avx512bf16|onednn|widen asks):
+//                  on lce's own kernel, logits bf16 and dX, dW with dz split into hi + lo as the
 //                  kernel packs it; on oneDNN, logits and dX (dz split in a pass of its
 //                  own), dW sgemm; widened, all sgemm. The widening of X (once per chunk,
 //                  which the engine does) is in `logits`
@@ -27,17 +27,18 @@
 //   lce bf16 ops   lce::host_bf16_operands (lce::cblas_gemm_bf16_operands): the host
 //                  backend's tiles, all three GEMMs on the chosen bf16 kernel, dz rounded
 //                  to bf16 once per chunk (in `dz->bf16`)
-//   lce amx        lce's own AMX kernel (lce/host/detail/amx_bf16_gemm.hpp, lce_torch's
-//                  LCE_TORCH_BF16_GEMM=amx), dz rounded to bf16 as in `dnnl bf16`, one
+//   lce amx,       lce's own kernel (lce/host/detail/own_bf16_gemm.hpp) on AMX tiles or on
+//   lce avx512     AVX512-BF16 (lce_torch's LCE_TORCH_BF16_GEMM=amx or avx512bf16), dz
+//                  rounded to bf16 as in `dnnl bf16`, one
 //                  single-threaded call per tile from OpenMP's threads as lce's host backend
 //                  calls a provider: logits in vocabulary tiles of 2,000, dX in one piece of
 //                  columns per thread over the whole vocabulary, dW in vocabulary tiles of
-//                  1,024 (only on a CPU with AMX)
+//                  1,024 (each only on a CPU with that unit)
 // Then accuracy on sampled rows against a double-precision reference of the same inputs
 // (the bf16 values, and dz in fp32): max |error| / sum |a_i b_i| (the bound an fp32
 // accumulation keeps near 1e-7 and a bf16 one could not), and rms error / rms value.
 #include <lce/host/blas_info.hpp>
-#include <lce/host/detail/amx_bf16_gemm.hpp>
+#include <lce/host/detail/own_bf16_gemm.hpp>
 #include <lce/lce.hpp>
 
 #include <oneapi/dnnl/dnnl.hpp>
@@ -171,31 +172,38 @@ int main(int argc, char** argv) {
       }
   };
 
-  // lce's AMX kernel, one call per tile (see "lce amx" above); dW adds into dw as the others do.
+  // lce's own kernel, one call per tile (see "lce amx" above); dW adds into dw as the others do.
   using lce::transpose;
-  const auto amx_logits = [&](const bf16_t* x, const bf16_t* w, float* out) {
+  using lce::detail::bf16_unit;
+  const auto own_logits = [&](bf16_unit unit, const bf16_t* x, const bf16_t* w, float* out) {
     constexpr long long tile = 2000;
 #pragma omp parallel for schedule(dynamic)
     for (long long v0 = 0; v0 < V; v0 += tile)
-      lce::detail::amx_bf16_gemm(transpose::no, transpose::yes, C, std::min(tile, V - v0), H, 1.0f, x, H, w + v0 * H, H,
-                                 0.0f, out + v0, V);
+      lce::detail::own_bf16_gemm(unit, transpose::no, transpose::yes, C, std::min(tile, V - v0), H, 1.0f, x, H,
+                                 w + v0 * H, H, 0.0f, out + v0, V);
   };
-  const auto amx_grad_hidden = [&](const bf16_t* d, const bf16_t* w, float* out, long long pieces) {
+  const auto own_grad_hidden = [&](bf16_unit unit, const bf16_t* d, const bf16_t* w, float* out, long long pieces) {
     const long long width = (H + pieces - 1) / pieces;
 #pragma omp parallel for schedule(static)
     for (long long p = 0; p < pieces; ++p) {
       const long long c0 = p * width, cols = std::min(width, H - c0);
       if (cols > 0)
-        lce::detail::amx_bf16_gemm(transpose::no, transpose::no, C, cols, V, 1.0f, d, V, w + c0, H, 0.0f, out + c0, H);
+        lce::detail::own_bf16_gemm(unit, transpose::no, transpose::no, C, cols, V, 1.0f, d, V, w + c0, H, 0.0f, out + c0,
+                                   H);
     }
   };
-  const auto amx_grad_weight = [&](const bf16_t* d, const bf16_t* x, float* out) {
+  const auto own_grad_weight = [&](bf16_unit unit, const bf16_t* d, const bf16_t* x, float* out) {
     constexpr long long tile = 1024;
 #pragma omp parallel for schedule(dynamic)
     for (long long v0 = 0; v0 < V; v0 += tile)
-      lce::detail::amx_bf16_gemm(transpose::yes, transpose::no, std::min(tile, V - v0), H, C, 1.0f, d + v0, V, x, H,
-                                 1.0f, out + v0 * H, H);
+      lce::detail::own_bf16_gemm(unit, transpose::yes, transpose::no, std::min(tile, V - v0), H, C, 1.0f, d + v0, V, x,
+                                 H, 1.0f, out + v0 * H, H);
   };
+
+  // The units lce's own kernel runs on here, each with its row.
+  std::vector<std::pair<bf16_unit, std::string>> own_units;
+  if (lce::detail::amx_bf16_gemm_available()) own_units.emplace_back(bf16_unit::amx, "lce amx");
+  if (lce::detail::avx512_bf16_gemm_available()) own_units.emplace_back(bf16_unit::avx512, "lce avx512");
 
   const auto* dnnl_version = dnnl::version();
   dnnl::engine eng(dnnl::engine::kind::cpu, 0);
@@ -281,11 +289,13 @@ int main(int argc, char** argv) {
     work.push_back({"lce bf16 ops", "dz->bf16", [&] { ops_host.copy(Dz, matrix_view<bf16_t>{dzb.data(), C, V, V}); }});
     work.push_back({"lce bf16 ops", "dX", [&] { ops_host.grad_hidden<bf16_t, bf16_t>(Dzb, Wb, 1.0f, DX, nullptr); }});
     work.push_back({"lce bf16 ops", "dW", [&] { ops_host.grad_weight<bf16_t>(Dzb, Xb, 1.0f, DW); }});
-    if (lce::detail::amx_bf16_gemm_available()) {
-      work.push_back({"lce amx", "logits", [&] { amx_logits(xb.data(), wb.data(), z.data()); }});
-      work.push_back({"lce amx", "dz->bf16", [&] { host.copy(Dz, matrix_view<bf16_t>{dzb.data(), C, V, V}); }});
-      work.push_back({"lce amx", "dX", [&] { amx_grad_hidden(dzb.data(), wb.data(), dx.data(), threads); }});
-      work.push_back({"lce amx", "dW", [&] { amx_grad_weight(dzb.data(), xb.data(), dw.data()); }});
+    for (const auto& own : own_units) {
+      const bf16_unit unit = own.first;
+      const std::string& row = own.second;
+      work.push_back({row, "logits", [&, unit] { own_logits(unit, xb.data(), wb.data(), z.data()); }});
+      work.push_back({row, "dz->bf16", [&] { host.copy(Dz, matrix_view<bf16_t>{dzb.data(), C, V, V}); }});
+      work.push_back({row, "dX", [&, unit] { own_grad_hidden(unit, dzb.data(), wb.data(), dx.data(), threads); }});
+      work.push_back({row, "dW", [&, unit] { own_grad_weight(unit, dzb.data(), xb.data(), dw.data()); }});
     }
 
     for (auto& e : work) e.call();  // warm-up
@@ -322,7 +332,7 @@ int main(int argc, char** argv) {
       if (cols.count("dz->bf16")) std::snprintf(conv, sizeof conv, "%.1f", cols["dz->bf16"]);
       std::printf("| %-14s | %15s | %15s | %15s | %9s | %9.1f |\n", row.c_str(), cell("logits").c_str(),
                   cell("dX").c_str(), cell("dW").c_str(), conv, sum);
-      if (row.rfind("dnnl bf16", 0) == 0 || row == "lce amx" || row == "lce bf16 ops")
+      if (row.rfind("dnnl bf16", 0) == 0 || row == "lce amx" || row == "lce avx512" || row == "lce bf16 ops")
         std::printf("|   lce bf16 / %s, whole sweep: %.2fx |\n", row.c_str(), base / sum);
     }
     std::fflush(stdout);
@@ -396,12 +406,12 @@ int main(int argc, char** argv) {
                                  matrix_view<float>{r.dw.data(), V, H, H});
     got["lce bf16 ops (dz rounded)"] = std::move(r);
   }
-  if (lce::detail::amx_bf16_gemm_available()) {
+  for (const auto& [unit, row] : own_units) {
     results r = fresh();
-    amx_logits(xb.data(), wb.data(), r.z.data());
-    amx_grad_hidden(dzb.data(), wb.data(), r.dx.data(), cfg.threads.back());
-    amx_grad_weight(dzb.data(), xb.data(), r.dw.data());
-    got["lce amx (dz rounded)"] = std::move(r);
+    own_logits(unit, xb.data(), wb.data(), r.z.data());
+    own_grad_hidden(unit, dzb.data(), wb.data(), r.dx.data(), cfg.threads.back());
+    own_grad_weight(unit, dzb.data(), xb.data(), r.dw.data());
+    got[row + " (dz rounded)"] = std::move(r);
   }
   if (auto a = matmul::make(eng, C, H, V, dt::f32, {V, 1}, dt::bf16, {H, 1}, false)) {
     results r = fresh();

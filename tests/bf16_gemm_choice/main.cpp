@@ -1,10 +1,11 @@
 // Which bf16 GEMM lce's default provider runs (detail/bf16_gemm_choice.hpp), in a
 // process of its own: the choice is made once per process, from the CPU, the build and
-// LCE_BF16_GEMM. ctest runs it with LCE_BF16_GEMM unset, "widen", "amx", "onednn" and
-// an unknown name. Each run checks
+// LCE_BF16_GEMM. ctest runs it with LCE_BF16_GEMM unset, "widen", "amx", "avx512bf16",
+// "onednn" and an unknown name. Each run checks
 //   - the kernel lce::blas_info() reports against the documented rule (widen when asked
 //     or built with LCE_BF16_GEMM=widen; else the kernel asked for where this CPU and build
-//     have it; else lce's AMX kernel where the CPU has AMX, oneDNN where linked, widening);
+//     have it; else lce's own kernel on AMX where the CPU has AMX, on AVX512-BF16 where it
+//     has that, oneDNN where linked, widening);
 //   - a bfloat16 operator's forward_backward on that kernel against a float operator on
 //     the same values (bf16 values widened: exact), whose GEMMs are the BLAS's sgemm: the
 //     log-probs within fp32 sums, the gradients within dz's hi + lo split (2^-16).
@@ -60,7 +61,7 @@ double relative(const std::vector<float>& a, const std::vector<float>& b) {
 int main() {
   const char* asked_env = std::getenv("LCE_BF16_GEMM");
   const std::string asked = asked_env ? asked_env : "";
-  const bool amx = lce::detail::amx_bf16_gemm_available();
+  const bool amx = lce::detail::amx_bf16_gemm_available(), avx512bf16 = lce::detail::avx512_bf16_gemm_available();
 #if LCE_HOST_BF16_GEMM_ONEDNN
   const bool onednn = lce::detail::onednn_bf16_gemm_available();
 #else
@@ -74,15 +75,20 @@ int main() {
   std::string expected;
   if (built_widen || asked == "widen") expected = "widen";
   else if (asked == "amx" && amx) expected = "amx";
+  else if (asked == "avx512bf16" && avx512bf16) expected = "avx512bf16";
   else if (asked == "onednn" && onednn) expected = "onednn";
-  else expected = amx ? "amx" : onednn ? "onednn" : "widen";
+  else expected = amx ? "amx" : avx512bf16 ? "avx512bf16" : onednn ? "onednn" : "widen";
 
   const std::string reported = lce::blas_info().bf16_gemm;
-  const std::string marker = expected == "amx" ? "lce's AMX kernel" : expected == "onednn" ? "oneDNN" : "widened to fp32";
+  const std::string marker = expected == "amx"          ? "lce's own kernel on AMX"
+                             : expected == "avx512bf16" ? "lce's own kernel on AVX512-BF16"
+                             : expected == "onednn"     ? "oneDNN"
+                                                        : "widened to fp32";
   const bool named = reported.rfind(marker, 0) == 0;
   const bool available = lce::cblas_gemm{}.bf16_gemm_available() == (expected != "widen");
-  std::printf("LCE_BF16_GEMM=\"%s\"; CPU/build: amx %d, onednn %d, built widen %d; expected %s\nbf16 GEMMs: %s\n",
-              asked.c_str(), int(amx), int(onednn), int(built_widen), expected.c_str(), reported.c_str());
+  std::printf(
+      "LCE_BF16_GEMM=\"%s\"; CPU/build: amx %d, avx512bf16 %d, onednn %d, built widen %d; expected %s\nbf16 GEMMs: %s\n",
+      asked.c_str(), int(amx), int(avx512bf16), int(onednn), int(built_widen), expected.c_str(), reported.c_str());
 
   const std::int64_t n = 96, h = 160, v = 3000;
   std::mt19937 rng(5);

@@ -218,7 +218,7 @@ TEST_CASE("bf16 operands: no weight tile is widened and dz overwrites its logit 
   const auto direct = bf16_operands_env::make_op<lce::bfloat16>(opt, 2);
   const std::int64_t n = 64, h = 256, v = 8192;
   // Both hold a chunk's fp32 logits (one chunk: and two slots of dW tiles, none where the
-  // AMX kernel rounds them into grad_weight itself); the bf16 one has no widened weight
+  // lce's own kernel rounds them into grad_weight itself); the bf16 one has no widened weight
   // tiles, no widened hidden rows and no dz block of its own (dz is rounded over the first
   // half of each logit row), so only the per-row arrays are left.
   const std::size_t logits = static_cast<std::size_t>(n * v) * sizeof(float);
@@ -226,10 +226,12 @@ TEST_CASE("bf16 operands: no weight tile is widened and dz overwrites its logit 
   const std::size_t tiles = 2 * sizeof(float) *
       static_cast<std::size_t>(backend.weight_gradient_tile_elements<float, lce::bfloat16, lce::bfloat16>(h, v, n));
   CHECK(tiles > 0);
-  // lce's own provider rounds the tiles into grad_weight on the AMX kernel, so it holds none there.
-  const std::size_t amx_tiles = static_cast<std::size_t>(
+  // lce's own provider rounds the tiles into grad_weight on its own kernel (AMX or
+  // AVX512-BF16), so it holds none there.
+  const std::size_t own_tiles = static_cast<std::size_t>(
       lce::host_bf16_operands(1).weight_gradient_tile_elements<float, lce::bfloat16, lce::bfloat16>(h, v, n));
-  CHECK((amx_tiles == 0) == lce::detail::amx_bf16_gemm_available());
+  CHECK((own_tiles == 0) ==
+        (lce::detail::amx_bf16_gemm_available() || lce::detail::avx512_bf16_gemm_available()));
   CHECK(direct.workspace_bytes(n, h, v) < widening.workspace_bytes(n, h, v));
   CHECK(direct.workspace_bytes(n, h, v) >= logits + tiles);
   CHECK(direct.workspace_bytes(n, h, v) < logits + tiles + std::size_t(64 * v * 2) / 4);

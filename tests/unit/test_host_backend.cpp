@@ -510,8 +510,8 @@ TEST_CASE_TEMPLATE("one-chunk calls add dW tiles straight into a narrower grad_w
   const auto tiled = exercise<T, G>(one_chunk, p, g, hg, pre);
   check_against_reference(tiled, p, g, hg, pre);
   const std::size_t one_chunk_sweep = sweep_bytes(whole);
-  // The AMX kernel rounds a bf16 grad_weight's tiles into it itself: no fp32 tiles then.
-  if (std::same_as<T, lce::bfloat16> && lce::detail::amx_bf16_gemm_available())
+  // lce's own bf16 kernel rounds a bf16 grad_weight's tiles into it itself: no fp32 tiles then.
+  if (std::same_as<T, lce::bfloat16> && lce::cblas_gemm{}.gemm_into_bf16_available())
     CHECK(one_chunk.held_workspace_bytes() == one_chunk_sweep);
   else
     CHECK(one_chunk.held_workspace_bytes() > one_chunk_sweep);
@@ -535,13 +535,13 @@ struct cblas_gemm_without_rounding_into : lce::cblas_gemm {
   bool gemm_into_bf16_available() const { return false; }
 };
 
-// On the AMX kernel, a bf16 grad_weight's dW tiles are rounded into it as they leave the
-// tiles (no scratch): bit for bit what the fp32 tiles added in give, in the token order (one
+// On lce's own bf16 kernel, a bf16 grad_weight's dW tiles are rounded into it as their sums
+// are done (no scratch): bit for bit what the fp32 tiles added in give, in the token order (one
 // chunk) and the vocabulary order (the budget alone), on 1 and 3 threads; and the workspace
 // is smaller by the tiles.
-TEST_CASE("a bf16 grad_weight: dW tiles rounded in by the AMX kernel equal fp32 tiles added in, bit for bit") {
-  if (!lce::detail::amx_bf16_gemm_available()) {
-    MESSAGE("skipped: no AMX tiles on this CPU (or OS), so no provider rounds into grad_weight here");
+TEST_CASE("a bf16 grad_weight: dW tiles rounded in by lce's bf16 kernel equal fp32 tiles added in, bit for bit") {
+  if (!lce::cblas_gemm{}.gemm_into_bf16_available()) {
+    MESSAGE("skipped: no AMX or AVX512-BF16 on this CPU (or OS), so no provider rounds into grad_weight here");
     return;
   }
   using T = lce::bfloat16;

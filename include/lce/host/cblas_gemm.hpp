@@ -2,9 +2,9 @@
 // lce's default GEMM provider (see gemm_provider.hpp): the CBLAS lce links
 // (OpenBLAS, BLIS, MKL, ...), one single-threaded call per GEMM tile, and for a
 // bfloat16 weight's GEMMs a bf16 x bf16 -> fp32 GEMM where the CPU has bf16
-// instructions: lce's AMX kernel, else oneDNN's matmul in builds that link it
-// (detail/bf16_gemm_choice.hpp). dz keeps 16 significant bits as hi + lo: on
-// the AMX kernel dX and dW split it as they pack it (split_bf16_gemm); on
+// instructions: lce's own kernel on AMX or AVX512-BF16, else oneDNN's matmul in builds
+// that link it (detail/bf16_gemm_choice.hpp). dz keeps 16 significant bits as hi + lo: on
+// lce's kernel dX and dW split it as they pack it (split_bf16_gemm); on
 // oneDNN dX takes it split in a pass of its own and dW stays sgemm. Its first operator
 // call in a process warns once on std::cerr when the BLAS runs kernels below the CPU's class
 // (blas_info.hpp; LCE_NO_BLAS_WARNING=1 hides it).
@@ -19,6 +19,7 @@
 
 #include <concepts>
 #include <cstdint>
+#include <optional>
 
 LCE_BEGIN_NAMESPACE
 
@@ -44,35 +45,39 @@ struct cblas_gemm {
     detail::run_bf16_gemm(detail::chosen_bf16_gemm_kernel(), ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
 
-  // A in fp32 as hi + lo (gemm_provider.hpp): lce's AMX kernel, which splits A as it packs it.
-  bool split_bf16_gemm_available() const { return detail::chosen_bf16_gemm_kernel() == detail::bf16_gemm_kernel::amx; }
+  // A in fp32 as hi + lo (gemm_provider.hpp): lce's own kernel, which splits A as it packs it.
+  bool split_bf16_gemm_available() const { return own_unit().has_value(); }
 
   template <class B>
     requires std::same_as<B, bfloat16> || std::same_as<B, float>
   void split_bf16_gemm(transpose ta, transpose tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
                        const float* a, std::int64_t lda, const B* b, std::int64_t ldb, float beta, float* c,
                        std::int64_t ldc) const {
-    detail::amx_split_bf16_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    detail::own_split_bf16_gemm(*own_unit(), ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
 
-  // The GEMMs above into a bf16 C (gemm_provider.hpp): lce's AMX kernel rounds each 32 x 32
-  // block into C as its sum leaves the tiles.
+  // The GEMMs above into a bf16 C (gemm_provider.hpp): lce's own kernel rounds each 32 x 32
+  // block into C as its sum is done.
   bool gemm_into_bf16_available() const { return split_bf16_gemm_available(); }
 
   void bf16_gemm_into_bf16(transpose ta, transpose tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
                            const bfloat16* a, std::int64_t lda, const bfloat16* b, std::int64_t ldb, float beta,
                            bfloat16* c, std::int64_t ldc) const {
-    detail::bf16_gemm_into_bf16_of(*this, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    detail::bf16_gemm_into_bf16_of(*this, own_unit(), ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
 
   void split_bf16_gemm_into_bf16(transpose ta, transpose tb, std::int64_t m, std::int64_t n, std::int64_t k,
                                  float alpha, const float* a, std::int64_t lda, const float* b, std::int64_t ldb,
                                  float beta, bfloat16* c, std::int64_t ldc) const {
     if (gemm_into_bf16_available())
-      return detail::amx_bf16_gemm_into_bf16(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+      return detail::own_bf16_gemm_into_bf16(*own_unit(), ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     detail::round_sum_into_bf16(
         m, n, beta, c, ldc, [&](float* sum) { split_bf16_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, 0.0f, sum, n); });
   }
+
+ protected:
+  // The unit lce's own kernel runs on, where it is the chosen bf16 GEMM.
+  static std::optional<detail::bf16_unit> own_unit() { return detail::own_unit_of(detail::chosen_bf16_gemm_kernel()); }
 };
 
 // cblas_gemm with bf16_operands (gemm_provider.hpp): a bfloat16 operator runs all three
@@ -97,7 +102,7 @@ struct cblas_gemm_bf16_operands : cblas_gemm {
   void bf16_gemm_into_bf16(transpose ta, transpose tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
                            const bfloat16* a, std::int64_t lda, const bfloat16* b, std::int64_t ldb, float beta,
                            bfloat16* c, std::int64_t ldc) const {
-    detail::bf16_gemm_into_bf16_of(*this, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    detail::bf16_gemm_into_bf16_of(*this, own_unit(), ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
 };
 

@@ -11,18 +11,21 @@
 // `import torch`); otherwise (AMD and others) the CBLAS lce links (OpenBLAS),
 // as lce::cblas_gemm. LCE_TORCH_FP32_BLAS=mkl or =openblas forces either.
 // blas_info says which runs.
-// bfloat16: on a CPU with AMX (Sapphire Rapids and later Xeons), lce's own
-// AMX kernel (lce/host/detail/amx_bf16_gemm.hpp). On a 2-core AMX Xeon, in one
-// process, a bf16 step took 0.99-1.23x plain PyTorch's time with it against
-// 1.18-1.37x with MKL's (README, PyTorch). On other CPUs with AVX512-BF16, the
-// bf16 x bf16 -> fp32 GEMM of the MKL that PyTorch's x86 wheels carry inside
-// libtorch_cpu (cblas_gemm_bf16bf16f32, fp32 accumulation), looked up at run
-// time in the libtorch_cpu this process loaded, so a torch without it
-// (aarch64, a build without MKL) still loads. Without bf16 instructions (MKL's
-// emulation of them was the slower) or without that MKL, a bfloat16 call runs
-// on torch_widening_gemm below instead: the host backend's own fp32 path.
-// LCE_TORCH_BF16_GEMM=amx|mkl|widen asks for one (lce_torch.set_bf16_gemm
-// between calls); blas_info says which runs.
+// bfloat16: lce's own kernel (lce/host/detail/own_bf16_gemm.hpp) on a CPU with
+// AMX (Sapphire Rapids and later Xeons) or else AVX512-BF16 (AMD Zen 4 and
+// later, Intel Cooper Lake). On a 2-core AMX Xeon, in one process, a bf16 step
+// took 0.99-1.23x plain PyTorch's time with it against 1.18-1.37x with MKL's
+// (README, PyTorch); on a 2-core Zen 5, where MKL's bf16 GEMM runs a quarter
+// of the CPU's bf16 rate, lce's kernel on AVX512-BF16 took it from 3-4x plain's
+// time to below plain's. Elsewhere with bf16 instructions, the bf16 x bf16 ->
+// fp32 GEMM of the MKL that PyTorch's x86 wheels carry inside libtorch_cpu
+// (cblas_gemm_bf16bf16f32, fp32 accumulation), looked up at run time in the
+// libtorch_cpu this process loaded, so a torch without it (aarch64, a build
+// without MKL) still loads. Without bf16 instructions (MKL's emulation of them
+// was the slower) or without that MKL, a bfloat16 call runs on
+// torch_widening_gemm below instead: the host backend's own fp32 path.
+// LCE_TORCH_BF16_GEMM=amx|avx512bf16|mkl|widen asks for one
+// (lce_torch.set_bf16_gemm between calls); blas_info says which runs.
 //
 // With bf16_operands, a bfloat16 operator's three GEMMs per chunk read the
 // hidden rows as stored and dz rounded once to bf16 (unit roundoff 2^-8),
@@ -36,7 +39,7 @@
 
 #include <lce/lce.hpp>
 #include <lce/host/blas_info.hpp>
-#include <lce/host/detail/amx_bf16_gemm.hpp>
+#include <lce/host/detail/own_bf16_gemm.hpp>
 #include <lce/host/detail/widening_bf16_gemm.hpp>
 
 #include <dlfcn.h>
@@ -45,6 +48,7 @@
 #include <concepts>
 #include <cstdint>
 #include <cstdlib>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <string_view>
@@ -134,14 +138,14 @@ void column_major_gemm(mkl_fortran_gemm_fn<A> fn, mkl_set_threads_local_fn set_t
   set_threads(previous);
 }
 
-// Which bf16 GEMM runs: lce's AMX kernel where the CPU has AMX, else MKL's where this torch has
-// it and the CPU has bf16 instructions (AVX512-BF16), else widening. Without bf16 instructions
+// Which bf16 GEMM runs: lce's own kernel where the CPU has AMX or AVX512-BF16, else MKL's where
+// this torch has it (and the CPU has bf16 instructions, which it then lacks), else widening. Without bf16 instructions
 // MKL's bf16 GEMM emulates them and is the slower: on a 2-core AMD EPYC (Zen 3, AVX2) a bf16
 // step at N = 1,024 took 1.05-1.27x the time of the widened path (torch_widening_gemm) with it
 // (README, "On an AMD EPYC").
-// LCE_TORCH_BF16_GEMM=amx|mkl|widen at the first use, or lce_torch.set_bf16_gemm() at any
-// time between calls, asks for one; an unavailable choice falls to the default.
-enum class bf16_kernel { amx, mkl, widen };
+// LCE_TORCH_BF16_GEMM=amx|avx512bf16|mkl|widen at the first use, or lce_torch.set_bf16_gemm()
+// at any time between calls, asks for one; an unavailable choice falls to the default.
+enum class bf16_kernel { amx, avx512bf16, mkl, widen };
 
 inline bool cpu_has_bf16_instructions() {
   static const bool has = lce::blas_detail::detect_cpu().avx512_bf16;  // the CPU probe alone, no BLAS lookup
@@ -149,15 +153,25 @@ inline bool cpu_has_bf16_instructions() {
 }
 
 inline const char* bf16_kernel_name(bf16_kernel kernel) {
-  return kernel == bf16_kernel::amx ? "amx" : kernel == bf16_kernel::mkl ? "mkl" : "widen";
+  switch (kernel) {
+    case bf16_kernel::amx: return "amx";
+    case bf16_kernel::avx512bf16: return "avx512bf16";
+    case bf16_kernel::mkl: return "mkl";
+    case bf16_kernel::widen: break;
+  }
+  return "widen";
 }
 
-// The kernel that runs when `choice` ("amx", "mkl", "widen", or anything else for the default) is asked for.
+// The kernel that runs when `choice` ("amx", "avx512bf16", "mkl", "widen", or anything else for the
+// default) is asked for.
 inline bf16_kernel resolve_bf16_kernel(std::string_view choice) {
   if (choice == "widen") return bf16_kernel::widen;
   const bool amx = lce::detail::amx_bf16_gemm_available(), mkl = torch_mkl::get().bf16_gemm != nullptr;
+  const bool avx512bf16 = lce::detail::avx512_bf16_gemm_available();
   if (choice == "mkl" && mkl) return bf16_kernel::mkl;
+  if (choice == "avx512bf16" && avx512bf16) return bf16_kernel::avx512bf16;
   if (amx) return bf16_kernel::amx;
+  if (avx512bf16) return bf16_kernel::avx512bf16;
   return mkl && (choice == "mkl" || cpu_has_bf16_instructions()) ? bf16_kernel::mkl : bf16_kernel::widen;
 }
 
@@ -170,6 +184,13 @@ inline std::atomic<bf16_kernel>& chosen_bf16_kernel() {
 }
 
 inline bf16_kernel choose_bf16_kernel() { return chosen_bf16_kernel().load(std::memory_order_relaxed); }
+
+// The unit of lce's own kernel where it is the one chosen.
+inline std::optional<lce::detail::bf16_unit> own_unit_of(bf16_kernel kernel) {
+  if (kernel == bf16_kernel::amx) return lce::detail::bf16_unit::amx;
+  if (kernel == bf16_kernel::avx512bf16) return lce::detail::bf16_unit::avx512;
+  return std::nullopt;
+}
 
 }  // namespace detail
 
@@ -195,15 +216,15 @@ struct torch_gemm {
     lce::detail::gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
 
-  // Not asked with bf16_operands (bf16_gemm runs everywhere); true where AMX or MKL's kernels run.
+  // Not asked with bf16_operands (bf16_gemm runs everywhere); true where lce's or MKL's kernels run.
   bool bf16_gemm_available() const { return detail::choose_bf16_kernel() != detail::bf16_kernel::widen; }
 
   void bf16_gemm(lce::transpose ta, lce::transpose tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
                  const lce::bfloat16* a, std::int64_t lda, const lce::bfloat16* b, std::int64_t ldb, float beta,
                  float* c, std::int64_t ldc) const {
     const detail::bf16_kernel kernel = detail::choose_bf16_kernel();
-    if (kernel == detail::bf16_kernel::amx)
-      return lce::detail::amx_bf16_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    if (const auto unit = detail::own_unit_of(kernel))
+      return lce::detail::own_bf16_gemm(*unit, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
     const auto& mkl = detail::torch_mkl::get();
     if (kernel == detail::bf16_kernel::widen) {  // set_bf16_gemm("widen") from another thread mid-call
       lce::detail::widening_bf16_gemm(
@@ -220,16 +241,17 @@ struct torch_gemm {
     mkl.set_threads_local(previous);
   }
 
-  // bf16_gemm into a bf16 C (gemm_provider.hpp): lce's AMX kernel rounds dW's tiles into a
-  // bfloat16 grad_weight as they leave the tiles, so lce keeps no fp32 tiles for them. MKL's
+  // bf16_gemm into a bf16 C (gemm_provider.hpp): lce's own kernel rounds dW's tiles into a
+  // bfloat16 grad_weight as their sums are done, so lce keeps no fp32 tiles for them. MKL's
   // GEMM has no bf16 C: there lce keeps its tiles (available() is false), and a call made all
   // the same (the kernel changed mid-call) sums into a buffer of its own first.
-  bool gemm_into_bf16_available() const { return detail::choose_bf16_kernel() == detail::bf16_kernel::amx; }
+  bool gemm_into_bf16_available() const { return detail::own_unit_of(detail::choose_bf16_kernel()).has_value(); }
 
   void bf16_gemm_into_bf16(lce::transpose ta, lce::transpose tb, std::int64_t m, std::int64_t n, std::int64_t k,
                            float alpha, const lce::bfloat16* a, std::int64_t lda, const lce::bfloat16* b,
                            std::int64_t ldb, float beta, lce::bfloat16* c, std::int64_t ldc) const {
-    lce::detail::bf16_gemm_into_bf16_of(*this, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+    lce::detail::bf16_gemm_into_bf16_of(*this, detail::own_unit_of(detail::choose_bf16_kernel()), ta, tb, m, n, k,
+                                        alpha, a, lda, b, ldb, beta, c, ldc);
   }
 
   // What runs the fp32/fp64 GEMMs when it is not lce's BLAS ("" when it is), for blas_info.
@@ -244,7 +266,9 @@ struct torch_gemm {
     const auto& mkl = detail::torch_mkl::get();
     switch (detail::choose_bf16_kernel()) {
       case detail::bf16_kernel::amx:
-        return "lce's AMX kernel (lce/host/detail/amx_bf16_gemm.hpp), dz rounded to bf16";
+        return "lce's own kernel on AMX (lce/host/detail/own_bf16_gemm.hpp), dz rounded to bf16";
+      case detail::bf16_kernel::avx512bf16:
+        return "lce's own kernel on AVX512-BF16 (lce/host/detail/own_bf16_gemm.hpp), dz rounded to bf16";
       case detail::bf16_kernel::widen: {
         const char* why = !mkl.bf16_gemm ? "no MKL bf16 GEMM in this torch"
                           : !detail::cpu_has_bf16_instructions()
@@ -264,12 +288,12 @@ struct torch_gemm {
   static int extent(std::int64_t v) { return static_cast<int>(v); }
 };
 
-// Asks for a bf16 GEMM ("amx", "mkl", "widen", "auto"; between operator calls) and returns the one
-// that now runs.
+// Asks for a bf16 GEMM ("amx", "avx512bf16", "mkl", "widen", "auto"; between operator calls) and
+// returns the one that now runs.
 inline std::string set_bf16_gemm(std::string_view kernel) {
-  if (kernel != "amx" && kernel != "mkl" && kernel != "widen" && kernel != "auto")
+  if (kernel != "amx" && kernel != "avx512bf16" && kernel != "mkl" && kernel != "widen" && kernel != "auto")
     throw std::invalid_argument("lce_torch.set_bf16_gemm: kernel is \"" + std::string(kernel) +
-                                "\"; expected \"amx\", \"mkl\", \"widen\" or \"auto\"");
+                                "\"; expected \"amx\", \"avx512bf16\", \"mkl\", \"widen\" or \"auto\"");
   const detail::bf16_kernel chosen = detail::resolve_bf16_kernel(kernel);
   detail::chosen_bf16_kernel().store(chosen, std::memory_order_relaxed);
   return detail::bf16_kernel_name(chosen);

@@ -300,9 +300,9 @@ def built_with_cuda():
 
 def set_bf16_gemm(kernel):
     """Choose the bf16 x bf16 -> fp32 GEMM of bfloat16 operators on the CPU, between calls:
-    "amx" (lce's own AMX kernel, the default on CPUs with AMX), "mkl" (MKL's
-    cblas_gemm_bf16bf16f32 from libtorch_cpu, the default on other CPUs with AVX512-BF16
-    where this torch has it), "widen" (the weight widened to fp32 for the BLAS, dz kept in
+    "amx" (lce's own kernel on AMX tiles, the default on CPUs with AMX), "avx512bf16" (lce's
+    own kernel on AVX512-BF16, the default on other CPUs with it: AMD Zen 4 and later, Intel
+    Cooper Lake), "mkl" (MKL's cblas_gemm_bf16bf16f32 from libtorch_cpu), "widen" (the weight widened to fp32 for the BLAS, dz kept in
     fp32: the default on CPUs without bf16 instructions, where MKL's emulation is slower) or "auto" (the default). Returns the
     one that now runs: a choice this machine cannot run falls to the default. Other names
     raise ValueError. LCE_TORCH_BF16_GEMM sets the first choice."""

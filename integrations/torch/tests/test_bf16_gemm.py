@@ -1,8 +1,8 @@
-"""bfloat16 GEMMs of lce_torch (csrc/torch_gemm.hpp): lce's AMX kernel on a CPU with AMX
-(the default there), MKL's bf16 x bf16 -> fp32 GEMM from the libtorch_cpu this process
-loaded (the default on other CPUs with AVX512-BF16), or the weight widened to fp32 for
-OpenBLAS with dz in fp32 (the default without bf16 instructions; LCE_TORCH_BF16_GEMM=
-amx|mkl|widen asks for one). Each gives the float64 reference's gradients to within dz's
+"""bfloat16 GEMMs of lce_torch (csrc/torch_gemm.hpp): lce's own kernel on AMX tiles (the
+default on a CPU with AMX) or on AVX512-BF16 (the default on other CPUs with it), MKL's bf16
+x bf16 -> fp32 GEMM from the libtorch_cpu this process loaded, or the weight widened to fp32
+for OpenBLAS with dz in fp32 (the default without bf16 instructions; LCE_TORCH_BF16_GEMM=
+amx|avx512bf16|mkl|widen asks for one). Each gives the float64 reference's gradients to within dz's
 rounding to bf16, and the widened path's to within the outputs' bf16 rounding."""
 
 import os
@@ -39,7 +39,12 @@ def cpu_has_amx():
 
 
 # What blas_info says for each path.
-MARKS = {"amx": "lce's AMX kernel", "mkl": "cblas_gemm_bf16bf16f32", "widen": "widened to fp32"}
+MARKS = {
+    "amx": "lce's own kernel on AMX",
+    "avx512bf16": "lce's own kernel on AVX512-BF16",
+    "mkl": "cblas_gemm_bf16bf16f32",
+    "widen": "widened to fp32",
+}
 
 
 def cpu_has_bf16_instructions():
@@ -47,11 +52,11 @@ def cpu_has_bf16_instructions():
 
 
 def default_kernel():
-    # lce's AMX kernel where the CPU has AMX; else the MKL PyTorch's x86 wheels carry, where
-    # the CPU has bf16 instructions (without them MKL emulates them, slower than widening).
+    # lce's own kernel where the CPU has AMX, else where it has AVX512-BF16; else widening
+    # (MKL's bf16 GEMM emulates bf16 instructions there, slower than widening).
     if cpu_has_amx():
         return "amx"
-    return "mkl" if HAS_MKL and cpu_has_bf16_instructions() else "widen"
+    return "avx512bf16" if cpu_has_bf16_instructions() else "widen"
 
 
 def run_bf16_child(path, kernel):
@@ -60,7 +65,9 @@ def run_bf16_child(path, kernel):
 
 def skip_unless_available(kernel):
     if kernel == "amx" and not cpu_has_amx():
-        pytest.skip("this CPU has no AMX: lce's AMX kernel does not run here")
+        pytest.skip("this CPU has no AMX: lce's kernel on AMX does not run here")
+    if kernel == "avx512bf16" and not cpu_has_bf16_instructions():
+        pytest.skip("this CPU has no AVX512-BF16: lce's kernel on it does not run here")
     if kernel == "mkl" and not HAS_MKL:
         pytest.skip("no MKL in this torch")
 
@@ -80,7 +87,7 @@ def test_blas_info_names_the_bf16_gemm():
     assert MARKS[default_kernel()] in info, info
 
 
-@pytest.mark.parametrize("kernel", ["amx", "mkl", "widen"])
+@pytest.mark.parametrize("kernel", ["amx", "avx512bf16", "mkl", "widen"])
 def test_bf16_gemm_paths_match_the_float64_reference(tmp_path, kernel):
     skip_unless_available(kernel)
     got = run_bf16_child(str(tmp_path / "out.pt"), kernel)
@@ -106,7 +113,7 @@ def test_widened_path_keeps_dz_in_fp32(tmp_path):
     assert relative_error(got["dw"], rdw.bfloat16().double()) < 3e-4
 
 
-@pytest.mark.parametrize("kernel", ["amx", "mkl"])
+@pytest.mark.parametrize("kernel", ["amx", "avx512bf16", "mkl"])
 def test_bf16_kernel_and_widened_paths_agree(tmp_path, kernel):
     skip_unless_available(kernel)
     fast = run_bf16_child(str(tmp_path / "fast.pt"), kernel)
@@ -124,7 +131,7 @@ def test_set_bf16_gemm_switches_kernels_between_calls():
     h, w, y = make(70, 64, 1500, torch.bfloat16, seed=9, scale=2.0)
     results = {}
     try:
-        for kernel in ("widen", "mkl", "amx"):
+        for kernel in ("widen", "mkl", "amx", "avx512bf16"):
             if lce_torch.set_bf16_gemm(kernel) != kernel:
                 continue  # not on this machine: the default runs instead
             assert MARKS[kernel] in lce_torch.blas_info()
@@ -135,7 +142,8 @@ def test_set_bf16_gemm_switches_kernels_between_calls():
     finally:
         default = lce_torch.set_bf16_gemm("auto")
     assert default == default_kernel()
-    assert "widen" in results and len(results) == 1 + HAS_MKL + cpu_has_amx()
+    assert "widen" in results
+    assert len(results) == 1 + HAS_MKL + cpu_has_amx() + cpu_has_bf16_instructions()
     ref = results["widen"]
     for kernel, got in results.items():
         torch.testing.assert_close(got[0], ref[0], atol=1e-5, rtol=1e-5)

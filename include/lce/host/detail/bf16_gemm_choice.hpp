@@ -2,20 +2,22 @@
 // Which bf16 x bf16 -> fp32 GEMM lce's default provider (cblas_gemm) runs for a
 // bfloat16 weight's logits and dX, chosen once per process:
 //
-//   amx     lce's own kernel on AMX tiles (amx_bf16_gemm.hpp), on CPUs with AMX:
-//           header-only, so every build has it, installed ones included
-//   onednn  oneDNN's matmul, in builds that link it (LCE_BF16_GEMM_ONEDNN), on
-//           CPUs with AVX512-BF16 or AMX (e.g. AMD Zen 4, Intel Cooper Lake)
-//   widen   none: lce widens the weight to fp32 for the BLAS's sgemm
+//   amx         lce's own kernel on AMX tiles (own_bf16_gemm.hpp), on CPUs with
+//               AMX: header-only, so every build has it, installed ones included
+//   avx512bf16  the same kernel on AVX512-BF16 (AMD Zen 4 and later, Intel
+//               Cooper Lake): 4x MKL's bf16 GEMM on a Zen 5, near oneDNN's
+//   onednn      oneDNN's matmul, in builds that link it (LCE_BF16_GEMM_ONEDNN),
+//               on CPUs with AVX512-BF16 or AMX
+//   widen       none: lce widens the weight to fp32 for the BLAS's sgemm
 //
 // The first that this CPU and build have, in that order. The environment
-// variable LCE_BF16_GEMM=amx|onednn|widen, read at the first use, asks for one
+// variable LCE_BF16_GEMM=amx|avx512bf16|onednn|widen, read at the first use, asks for one
 // (an unavailable or unknown name falls to the default); a build configured
 // with -DLCE_BF16_GEMM=widen (LCE_BF16_GEMM_WIDEN) always widens.
 
 #include <lce/core/config.hpp>
 #include <lce/core/dtypes.hpp>
-#include <lce/host/detail/amx_bf16_gemm.hpp>
+#include <lce/host/detail/own_bf16_gemm.hpp>
 #include <lce/host/gemm_provider.hpp>
 #if LCE_HOST_BF16_GEMM_ONEDNN
 #include <lce/host/detail/onednn_gemm.hpp>
@@ -23,21 +25,23 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <optional>
 #include <string>
 #include <string_view>
 
 LCE_BEGIN_NAMESPACE
 namespace detail {
 
-enum class bf16_gemm_kernel { amx, onednn, widen };
+enum class bf16_gemm_kernel { amx, avx512bf16, onednn, widen };
 
-// The kernel that runs when `asked` ("amx", "onednn", "widen", or anything else for the default) is asked for.
+// The kernel that runs when `asked` ("amx", "avx512bf16", "onednn", "widen", or anything else for the
+// default) is asked for.
 inline bf16_gemm_kernel resolve_bf16_gemm_kernel(std::string_view asked) {
 #if defined(LCE_BF16_GEMM_WIDEN)
   (void)asked;
   return bf16_gemm_kernel::widen;
 #else
-  const bool amx = amx_bf16_gemm_available();
+  const bool amx = amx_bf16_gemm_available(), avx512bf16 = avx512_bf16_gemm_available();
 #if LCE_HOST_BF16_GEMM_ONEDNN
   const bool onednn = onednn_bf16_gemm_available();
 #else
@@ -45,7 +49,9 @@ inline bf16_gemm_kernel resolve_bf16_gemm_kernel(std::string_view asked) {
 #endif
   if (asked == "widen") return bf16_gemm_kernel::widen;
   if (asked == "onednn" && onednn) return bf16_gemm_kernel::onednn;
+  if (asked == "avx512bf16" && avx512bf16) return bf16_gemm_kernel::avx512bf16;
   if (amx) return bf16_gemm_kernel::amx;
+  if (avx512bf16) return bf16_gemm_kernel::avx512bf16;
   return onednn ? bf16_gemm_kernel::onednn : bf16_gemm_kernel::widen;
 #endif
 }
@@ -62,6 +68,13 @@ inline bf16_gemm_kernel chosen_bf16_gemm_kernel() {
 // cblas_gemm::bf16_gemm_available() and blas_report::bf16_gemm_native.
 inline bool bf16_gemm_runs_natively() { return chosen_bf16_gemm_kernel() != bf16_gemm_kernel::widen; }
 
+// The unit of lce's own kernel when `kernel` is it.
+inline std::optional<bf16_unit> own_unit_of(bf16_gemm_kernel kernel) {
+  if (kernel == bf16_gemm_kernel::amx) return bf16_unit::amx;
+  if (kernel == bf16_gemm_kernel::avx512bf16) return bf16_unit::avx512;
+  return std::nullopt;
+}
+
 // Row-major C[m, n] = alpha op(A) op(B) + beta C on `kernel` (not widen).
 inline void run_bf16_gemm(bf16_gemm_kernel kernel, transpose ta, transpose tb, std::int64_t m, std::int64_t n,
                           std::int64_t k, float alpha, const bfloat16* a, std::int64_t lda, const bfloat16* b,
@@ -74,15 +87,17 @@ inline void run_bf16_gemm(bf16_gemm_kernel kernel, transpose ta, transpose tb, s
     return;
   }
 #endif
-  (void)kernel;
-  amx_bf16_gemm(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+  own_bf16_gemm(kernel == bf16_gemm_kernel::amx ? bf16_unit::amx : bf16_unit::avx512, ta, tb, m, n, k, alpha, a, lda,
+                b, ldb, beta, c, ldc);
 }
 
 // For lce::blas_info(): what runs a bfloat16 weight's GEMMs, and why.
 inline std::string bf16_gemm_description(bf16_gemm_kernel kernel) {
   switch (kernel) {
     case bf16_gemm_kernel::amx:
-      return "lce's AMX kernel (amx_bf16_gemm.hpp, up to " + std::to_string(amx_bf16_gemm_scratch_bytes / 1024) +
+    case bf16_gemm_kernel::avx512bf16:
+      return std::string("lce's own kernel on ") + (kernel == bf16_gemm_kernel::amx ? "AMX" : "AVX512-BF16") +
+             " (own_bf16_gemm.hpp, up to " + std::to_string(own_bf16_gemm_scratch_bytes / 1024) +
              " KiB of scratch per thread)";
 #if LCE_HOST_BF16_GEMM_ONEDNN
     case bf16_gemm_kernel::onednn:
@@ -97,10 +112,10 @@ inline std::string bf16_gemm_description(bf16_gemm_kernel kernel) {
   const char* asked = std::getenv("LCE_BF16_GEMM");
   if (asked && std::string_view(asked) == "widen") return "widened to fp32 for the BLAS (LCE_BF16_GEMM=widen)";
 #if LCE_HOST_BF16_GEMM_ONEDNN
-  return "widened to fp32 for the BLAS (no AMX, and " + onednn_bf16_gemm_description() +
+  return "widened to fp32 for the BLAS (no AMX or AVX512-BF16, and " + onednn_bf16_gemm_description() +
          " has no bf16 instructions here)";
 #else
-  return "widened to fp32 for the BLAS (no AMX here; oneDNN, for AVX512-BF16, not linked)";
+  return "widened to fp32 for the BLAS (no AMX or AVX512-BF16 here)";
 #endif
 #endif
 }

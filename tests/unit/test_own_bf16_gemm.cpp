@@ -1,13 +1,14 @@
-// lce's AMX bf16 x bf16 -> fp32 GEMM (lce/host/detail/amx_bf16_gemm.hpp) against a
+// lce's own bf16 x bf16 -> fp32 GEMM (lce/host/detail/own_bf16_gemm.hpp), on each unit
+// (AMX tiles, AVX512-BF16 vectors) this CPU has, against a
 // double-precision loop over the same bf16 values, at every transpose, ragged
 // and whole 32 x 32 blocks, depths over one depth block (1,024) and alpha /
 // beta as the provider contract has them. The bound is fp32 accumulation's:
 // k u (|alpha| sum |a_i b_i| + |beta c|), u = 2^-24, which a wrong tile, pair
 // order, packing or missing term exceeds by orders of magnitude. The split
 // form (fp32 A as bf16 hi + lo) against the same loop over both parts, and the
-// scratch each thread keeps against its stated bound. Runs only on a CPU with
-// AMX (the test says when it skips).
-#include <lce/host/detail/amx_bf16_gemm.hpp>
+// scratch each thread keeps against its stated bound. Each unit runs only on a
+// CPU with it (the test says when it skips).
+#include <lce/host/detail/own_bf16_gemm.hpp>
 
 #include <doctest/doctest.h>
 
@@ -26,10 +27,22 @@ namespace {
 using lce::bfloat16;
 using lce::transpose;
 
-// Whether lce's AMX kernel runs on this CPU (and OS); where it does not, the test says so.
-bool amx_runs_here() {
-  if (lce::detail::amx_bf16_gemm_available()) return true;
-  MESSAGE("skipped: this CPU (or OS) gives no AMX tiles, so lce's AMX kernel does not run here");
+using lce::detail::bf16_unit;
+
+struct on_amx {
+  static constexpr bf16_unit unit = bf16_unit::amx;
+  static constexpr const char* missing = "this CPU (or OS) gives no AMX tiles";
+};
+struct on_avx512 {
+  static constexpr bf16_unit unit = bf16_unit::avx512;
+  static constexpr const char* missing = "this CPU (or OS) has no AVX512-BF16";
+};
+
+// Whether lce's kernel runs on this unit here; where it does not, the test says so.
+template <class On>
+bool runs_here() {
+  if (lce::detail::own_bf16_gemm_available(On::unit)) return true;
+  MESSAGE("skipped: " << On::missing << ", so lce's kernel does not run on it here");
   return false;
 }
 
@@ -75,7 +88,7 @@ double worst_error(const problem& p, AValue a, BValue b, const std::vector<float
 
 // Runs one problem with padded leading dimensions (A's rows 512 bytes apart or a multiple
 // when asked); checks every element of C and that its padding columns keep their values.
-double run(const problem& p, std::mt19937& rng) {
+double run(bf16_unit unit, const problem& p, std::mt19937& rng) {
   const bool at = p.ta == transpose::yes, bt = p.tb == transpose::yes;
   const std::int64_t a_row = at ? p.m : p.k;
   const std::int64_t lda = p.rows_of_512_bytes ? (a_row + 255) / 256 * 256 : a_row + 3;
@@ -89,7 +102,8 @@ double run(const problem& p, std::mt19937& rng) {
   // beta = 0 must not read C: NaN there would otherwise show.
   for (auto& x : c) x = p.beta == 0.0f ? std::numeric_limits<float>::quiet_NaN() : value(rng);
   const std::vector<float> before = c;
-  lce::detail::amx_bf16_gemm(p.ta, p.tb, p.m, p.n, p.k, p.alpha, a.data(), lda, b.data(), ldb, p.beta, c.data(), ldc);
+  lce::detail::own_bf16_gemm(unit, p.ta, p.tb, p.m, p.n, p.k, p.alpha, a.data(), lda, b.data(), ldb, p.beta, c.data(),
+                             ldc);
   const auto a_at = [&](std::int64_t i, std::int64_t q) {
     return static_cast<double>(static_cast<float>(a[static_cast<std::size_t>(at ? q * lda + i : i * lda + q)]));
   };
@@ -99,12 +113,12 @@ double run(const problem& p, std::mt19937& rng) {
   return worst_error(p, a_at, b_at, c, before, ldc, 1);
 }
 
-// The same for amx_split_bf16_gemm: A in fp32 (values with more bits than bf16 holds), B in
+// The same for own_split_bf16_gemm: A in fp32 (values with more bits than bf16 holds), B in
 // bf16 or as floats holding bf16 values. The reference multiplies A's two parts, hi =
 // bf16(a) and lo = bf16(a - hi) (scalar lce::bfloat16 here); a kernel that dropped lo
 // would be off by about 2^-9 |a b|.
 template <class BElement>
-double run_split(const problem& p, std::mt19937& rng) {
+double run_split(bf16_unit unit, const problem& p, std::mt19937& rng) {
   const bool at = p.ta == transpose::yes, bt = p.tb == transpose::yes;
   const std::int64_t lda = (at ? p.m : p.k) + 3, ldb = (bt ? p.k : p.n) + 5, ldc = p.n + 7;
   std::uniform_real_distribution<float> value(-2.0f, 2.0f);
@@ -115,8 +129,8 @@ double run_split(const problem& p, std::mt19937& rng) {
   std::vector<float> c(static_cast<std::size_t>(p.m * ldc));
   for (auto& x : c) x = p.beta == 0.0f ? std::numeric_limits<float>::quiet_NaN() : value(rng);
   const std::vector<float> before = c;
-  lce::detail::amx_split_bf16_gemm(p.ta, p.tb, p.m, p.n, p.k, p.alpha, a.data(), lda, b.data(), ldb, p.beta, c.data(),
-                                   ldc);
+  lce::detail::own_split_bf16_gemm(unit, p.ta, p.tb, p.m, p.n, p.k, p.alpha, a.data(), lda, b.data(), ldb, p.beta,
+                                   c.data(), ldc);
   const auto a_at = [&](std::int64_t i, std::int64_t q) {
     const float x = a[static_cast<std::size_t>(at ? q * lda + i : i * lda + q)];
     const float hi = static_cast<float>(bfloat16(x));
@@ -152,32 +166,37 @@ void for_each_problem(const std::int64_t (&shapes)[Shapes][3], Check&& check) {
 
 }  // namespace
 
-TEST_CASE("AMX split bf16 GEMM: A in fp32 as hi + lo, B in bf16 or fp32, every transpose, alpha and beta") {
-  if (!amx_runs_here()) return;
+TEST_CASE_TEMPLATE("Own split bf16 GEMM: A in fp32 as hi + lo, B in bf16 or fp32, every transpose, alpha and beta",
+                   On, on_amx, on_avx512) {
+  if (!runs_here<On>()) return;
+  constexpr bf16_unit unit = On::unit;
   std::mt19937 rng(2027);
   const std::int64_t shapes[][3] = {{32, 32, 32}, {1, 1, 1}, {17, 45, 3}, {33, 31, 100}, {64, 64, 1024},
                                     {40, 70, 1100}, {96, 33, 2100}};
   for_each_problem(shapes, [&](const problem& p) {
-    CHECK(run_split<bfloat16>(p, rng) <= 1.0);
-    CHECK(run_split<float>(p, rng) <= 1.0);
+    CHECK(run_split<bfloat16>(unit, p, rng) <= 1.0);
+    CHECK(run_split<float>(unit, p, rng) <= 1.0);
   });
   // lce::host's shapes: dX (dz W over a vocabulary) and dW (dz^T X, X's rows as floats).
-  CHECK(run_split<bfloat16>({64, 96, 3000, transpose::no, transpose::no, 1.0f, 0.0f}, rng) <= 1.0);
-  CHECK(run_split<float>({200, 96, 70, transpose::yes, transpose::no, 1.0f, 1.0f}, rng) <= 1.0);
+  CHECK(run_split<bfloat16>(unit, {64, 96, 3000, transpose::no, transpose::no, 1.0f, 0.0f}, rng) <= 1.0);
+  CHECK(run_split<float>(unit, {200, 96, 70, transpose::yes, transpose::no, 1.0f, 1.0f}, rng) <= 1.0);
 }
 
-TEST_CASE("AMX bf16 GEMM: every transpose, ragged and whole blocks, deep sums, alpha and beta") {
-  if (!amx_runs_here()) return;
+TEST_CASE_TEMPLATE("Own bf16 GEMM: every transpose, ragged and whole blocks, deep sums, alpha and beta", On, on_amx,
+                   on_avx512) {
+  if (!runs_here<On>()) return;
   std::mt19937 rng(2026);
   // Whole blocks (in-place C), ragged edges, one depth step, depths past one and two depth
   // blocks (1,024) with a ragged last step; m over 32 with A packed (transposed).
   const std::int64_t shapes[][3] = {{32, 32, 32},  {64, 96, 64},  {1, 1, 1},     {17, 45, 3},   {33, 31, 100},
                                     {64, 64, 1024}, {40, 70, 1100}, {64, 96, 2080}, {96, 33, 2100}, {5, 530, 1500}};
-  for_each_problem(shapes, [&](const problem& p) { CHECK(run(p, rng) <= 1.0); });
+  for_each_problem(shapes, [&](const problem& p) { CHECK(run(On::unit, p, rng) <= 1.0); });
 }
 
-TEST_CASE("AMX bf16 GEMM: lce_torch's shapes (logits into a wide C, dX over the vocabulary, dW)") {
-  if (!amx_runs_here()) return;
+TEST_CASE_TEMPLATE("Own bf16 GEMM: lce_torch's shapes (logits into a wide C, dX over the vocabulary, dW)", On, on_amx,
+                   on_avx512) {
+  if (!runs_here<On>()) return;
+  const auto run = [](const problem& p, std::mt19937& rng) { return ::run(On::unit, p, rng); };
   std::mt19937 rng(7);
   CHECK(run({64, 200, 256, transpose::no, transpose::yes, 1.0f, 0.0f}, rng) <= 1.0);  // logits
   CHECK(run({64, 96, 3000, transpose::no, transpose::no, 1.0f, 0.0f}, rng) <= 1.0);   // dX
@@ -192,14 +211,14 @@ TEST_CASE("AMX bf16 GEMM: lce_torch's shapes (logits into a wide C, dX over the 
   CHECK(run({96, 1000, 1024, transpose::yes, transpose::no, 1.0f, 1.0f}, rng) <= 1.0);
 }
 
-// amx_bf16_gemm_into_bf16: C in bf16 gets bf16(alpha A B + beta C), beta 1 or 0 (C then
+// own_bf16_gemm_into_bf16: C in bf16 gets bf16(alpha A B + beta C), beta 1 or 0 (C then
 // NaN: not read). Against two references: bit for bit, the kernel's own fp32 GEMM (beta 0)
 // followed by a scalar rounded add or copy (the host's scratch path), where that GEMM sums
 // k in one depth block too; and, at any depth, a double sum: the result within fp32
 // accumulation's bound plus half an ulp of bf16 of alpha A B + beta C. C's padding columns
 // stay as they were.
 template <class AElement, class BElement>
-void check_into_bf16(const problem& p, std::mt19937& rng) {
+void check_into_bf16(bf16_unit unit, const problem& p, std::mt19937& rng) {
   const bool at = p.ta == transpose::yes, bt = p.tb == transpose::yes;
   const std::int64_t lda = (at ? p.m : p.k) + 3, ldb = (bt ? p.k : p.n) + 5, ldc = p.n + 7;
   std::uniform_real_distribution<float> value(-2.0f, 2.0f);
@@ -213,18 +232,18 @@ void check_into_bf16(const problem& p, std::mt19937& rng) {
       c[static_cast<std::size_t>(i * ldc + j)] =
           bfloat16(p.beta == 0.0f && j < p.n ? std::numeric_limits<float>::quiet_NaN() : value(rng) * 8.0f);
   const std::vector<bfloat16> before = c;
-  lce::detail::amx_bf16_gemm_into_bf16(p.ta, p.tb, p.m, p.n, p.k, p.alpha, a.data(), lda, b.data(), ldb, p.beta,
-                                       c.data(), ldc);
+  lce::detail::own_bf16_gemm_into_bf16(unit, p.ta, p.tb, p.m, p.n, p.k, p.alpha, a.data(), lda, b.data(), ldb,
+                                       p.beta, c.data(), ldc);
 
   // The fp32 GEMM's one depth block: k <= 512, or one column block of packed B (see blocking::choose).
   if (p.k <= 512 || p.n <= 512) {
     std::vector<float> sum(static_cast<std::size_t>(p.m * p.n));
     if constexpr (std::same_as<AElement, float>)
-      lce::detail::amx_split_bf16_gemm(p.ta, p.tb, p.m, p.n, p.k, p.alpha, a.data(), lda, b.data(), ldb, 0.0f,
+      lce::detail::own_split_bf16_gemm(unit, p.ta, p.tb, p.m, p.n, p.k, p.alpha, a.data(), lda, b.data(), ldb, 0.0f,
                                        sum.data(), p.n);
     else
-      lce::detail::amx_bf16_gemm(p.ta, p.tb, p.m, p.n, p.k, p.alpha, a.data(), lda, b.data(), ldb, 0.0f, sum.data(),
-                                 p.n);
+      lce::detail::own_bf16_gemm(unit, p.ta, p.tb, p.m, p.n, p.k, p.alpha, a.data(), lda, b.data(), ldb, 0.0f,
+                                 sum.data(), p.n);
     std::int64_t differing = 0;
     for (std::int64_t i = 0; i < p.m; ++i)
       for (std::int64_t j = 0; j < p.n; ++j) {
@@ -267,8 +286,10 @@ void check_into_bf16(const problem& p, std::mt19937& rng) {
   CHECK(worst <= 1.0);
 }
 
-TEST_CASE("AMX GEMM into a bf16 C: bf16(alpha A B + beta C), the bits of the fp32 GEMM and a rounded add or copy") {
-  if (!amx_runs_here()) return;
+TEST_CASE_TEMPLATE("Own GEMM into a bf16 C: bf16(alpha A B + beta C), the bits of the fp32 GEMM and a rounded add",
+                   On, on_amx, on_avx512) {
+  if (!runs_here<On>()) return;
+  constexpr bf16_unit unit = On::unit;
   std::mt19937 rng(2028);
   // Ragged and whole blocks, one step, a whole 1,024-deep block over more columns than packed B
   // holds at that depth, and past it (the fp32 sum in a buffer of its own).
@@ -288,28 +309,31 @@ TEST_CASE("AMX GEMM into a bf16 C: bf16(alpha A B + beta C), the bits of the fp3
           CAPTURE(tb == transpose::yes);
           CAPTURE(alpha);
           CAPTURE(beta);
-          check_into_bf16<bfloat16, bfloat16>(p, rng);
-          check_into_bf16<float, float>(p, rng);
+          check_into_bf16<bfloat16, bfloat16>(unit, p, rng);
+          check_into_bf16<float, float>(unit, p, rng);
         }
   // dW tiles as lce::host takes them: dz^T (transposed) against the hidden rows, 512 x 1,024 at N = 256 / 1,024.
-  check_into_bf16<bfloat16, bfloat16>({512, 1024, 256, transpose::yes, transpose::no, 1.0f, 1.0f}, rng);
-  check_into_bf16<float, float>({128, 1024, 512, transpose::yes, transpose::no, 1.0f, 0.0f}, rng);
+  check_into_bf16<bfloat16, bfloat16>(unit, {512, 1024, 256, transpose::yes, transpose::no, 1.0f, 1.0f}, rng);
+  check_into_bf16<float, float>(unit, {128, 1024, 512, transpose::yes, transpose::no, 1.0f, 0.0f}, rng);
 }
 
-TEST_CASE("AMX bf16 GEMM: an empty C or depth") {
-  if (!amx_runs_here()) return;
+TEST_CASE_TEMPLATE("Own bf16 GEMM: an empty C or depth", On, on_amx, on_avx512) {
+  if (!runs_here<On>()) return;
+  constexpr bf16_unit unit = On::unit;
   std::vector<float> c = {1.0f, 2.0f, 3.0f, 4.0f};
   const bfloat16 none{};
-  lce::detail::amx_bf16_gemm(transpose::no, transpose::no, 2, 2, 0, 1.0f, &none, 1, &none, 2, 0.5f, c.data(), 2);
+  lce::detail::own_bf16_gemm(unit, transpose::no, transpose::no, 2, 2, 0, 1.0f, &none, 1, &none, 2, 0.5f, c.data(), 2);
   CHECK(c == std::vector<float>{0.5f, 1.0f, 1.5f, 2.0f});
-  lce::detail::amx_bf16_gemm(transpose::no, transpose::no, 2, 2, 0, 1.0f, &none, 1, &none, 2, 0.0f, c.data(), 2);
+  lce::detail::own_bf16_gemm(unit, transpose::no, transpose::no, 2, 2, 0, 1.0f, &none, 1, &none, 2, 0.0f, c.data(), 2);
   CHECK(c == std::vector<float>{0.0f, 0.0f, 0.0f, 0.0f});
-  lce::detail::amx_bf16_gemm(transpose::no, transpose::no, 0, 2, 5, 1.0f, &none, 1, &none, 2, 0.0f, c.data(), 2);
+  lce::detail::own_bf16_gemm(unit, transpose::no, transpose::no, 0, 2, 5, 1.0f, &none, 1, &none, 2, 0.0f, c.data(), 2);
   CHECK(c == std::vector<float>{0.0f, 0.0f, 0.0f, 0.0f});
 }
 
-TEST_CASE("AMX bf16 GEMM: its scratch per thread stays within amx_bf16_gemm_scratch_bytes") {
-  if (!amx_runs_here()) return;
+TEST_CASE_TEMPLATE("Own bf16 GEMM: its scratch per thread stays within own_bf16_gemm_scratch_bytes", On, on_amx,
+                   on_avx512) {
+  if (!runs_here<On>()) return;
+  constexpr bf16_unit unit = On::unit;
   // A fresh thread, so that its scratch starts empty. Shallow and wide (each 16-column stream
   // padded to 4 KiB), deep with ragged blocks and alpha != 1 (the sum between depth blocks
   // goes through C, not scratch), tall (C's rows never in scratch), and A packed at depth
@@ -331,18 +355,18 @@ TEST_CASE("AMX bf16 GEMM: its scratch per thread stays within amx_bf16_gemm_scra
   std::thread([&] {
     std::mt19937 rng(11);
     for (const problem& p : problems) {
-      correct = correct && run(p, rng) <= 1.0;
-      const std::size_t held = lce::detail::amx_bf16_gemm_thread_scratch_bytes();
-      within = within && held <= lce::detail::amx_bf16_gemm_scratch_bytes;
+      correct = correct && run(unit, p, rng) <= 1.0;
+      const std::size_t held = lce::detail::own_bf16_gemm_thread_scratch_bytes();
+      within = within && held <= lce::detail::own_bf16_gemm_scratch_bytes;
       largest = std::max(largest, held);
     }
-    correct = correct && run_split<bfloat16>(split, rng) <= 1.0;
-    const std::size_t held = lce::detail::amx_bf16_gemm_thread_scratch_bytes();
-    within = within && held <= lce::detail::amx_bf16_gemm_scratch_bytes;
+    correct = correct && run_split<bfloat16>(unit, split, rng) <= 1.0;
+    const std::size_t held = lce::detail::own_bf16_gemm_thread_scratch_bytes();
+    within = within && held <= lce::detail::own_bf16_gemm_scratch_bytes;
     largest = std::max(largest, held);
   }).join();
   CHECK(correct);
   CHECK(within);
-  CHECK(largest == lce::detail::amx_bf16_gemm_scratch_bytes);  // the bound is reached, not loose
-  CHECK(lce::detail::amx_bf16_gemm_scratch_bytes == 1224 * 1024);
+  CHECK(largest == lce::detail::own_bf16_gemm_scratch_bytes);  // the bound is reached, not loose
+  CHECK(lce::detail::own_bf16_gemm_scratch_bytes == 1224 * 1024);
 }
