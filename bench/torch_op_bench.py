@@ -10,7 +10,7 @@ mean cross-entropy of an LM head, hidden [N, H] -> logits [N, V] -> loss.
                 (forward, then the backward op: 4 GEMMs/chunk, as for log-probs with any loss)
   lce_<M>mib    lce with workspace_limit_bytes = M MiB (e.g. lce_32mib), and
   lce_chunk<R>  lce with chunks of R tokens: run only when named in --variants
-  lce_amx, lce_mkl, lce_widen
+  lce_amx, lce_avx512bf16, lce_mkl, lce_widen
                 lce with that bf16 GEMM (lce_torch.set_bf16_gemm; "lce" and the others run the
                 default): run only when named in --variants
 
@@ -116,7 +116,7 @@ VARIANTS = {
 DEFAULT_VARIANTS = ",".join(VARIANTS)
 
 
-BF16_GEMM_VARIANTS = ("lce_amx", "lce_mkl", "lce_widen")  # lce on that bf16 GEMM (set_bf16_gemm)
+BF16_GEMM_VARIANTS = ("lce_amx", "lce_avx512bf16", "lce_mkl", "lce_widen")  # lce on that bf16 GEMM (set_bf16_gemm)
 
 
 def lce_path(name):

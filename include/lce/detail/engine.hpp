@@ -707,12 +707,7 @@ class engine {
           auto gradient = gradient_plan_for<G>(in.tokens(), in.hidden.cols, in.weight.rows, in.set_size);
           if (logits_fit_grad_weight(kind, grad_weight, in.tokens()))
             gradient = kept_logits_or<G>(gradient, in.tokens(), in.hidden.cols, in.weight.rows, in.set_size);
-          call.plan = gradient.plan;
-          call.tiles_into_grad_weight = gradient.tiles_into_grad_weight;
-          call.vocab_tile = gradient.vocab_tile;
-          call.first_vocab_tile = gradient.first_vocab_tile;
-          call.vocab_tile_bounds = vocabulary_tile_bounds<G>(gradient, in.tokens(), in.hidden.cols, in.weight.rows);
-          call.workspace = workspace_.reserve(backend_, call.plan.bytes, "workspace");
+          take_plan<G>(call, gradient, in);
           const checked_size dw_bytes = weight_gradient_scratch_bytes<G>(gradient, in.hidden.cols, in.weight.rows);
           expects(!dw_bytes.overflow, "grad_weight: the fp32 scratch of its dW for vocab_local ", in.weight.rows,
                   " x hidden ", in.hidden.cols, " needs more bytes than size_t holds");
@@ -722,13 +717,10 @@ class engine {
                 backend_, dw_bytes.value,
                 call.tiles_into_grad_weight ? "grad_weight (fp32 tiles of it)" : "grad_weight (its fp32 accumulator)"));
         } else {
-          const auto order = direct_plan_for<GradWeight>(kind, in.tokens(), in.hidden.cols, in.weight.rows, in.set_size,
-                                                         logits_fit_grad_weight(kind, grad_weight, in.tokens()));
-          call.plan = order.plan;
-          call.vocab_tile = order.vocab_tile;
-          call.first_vocab_tile = order.first_vocab_tile;
-          call.vocab_tile_bounds = vocabulary_tile_bounds<Compute>(order, in.tokens(), in.hidden.cols, in.weight.rows);
-          call.workspace = workspace_.reserve(backend_, call.plan.bytes, "workspace");
+          take_plan<Compute>(call, direct_plan_for<GradWeight>(kind, in.tokens(), in.hidden.cols, in.weight.rows,
+                                                               in.set_size,
+                                                               logits_fit_grad_weight(kind, grad_weight, in.tokens())),
+                             in);
         }
       });
     }
@@ -1051,8 +1043,8 @@ class engine {
     // Its logits kept in grad_weight, a forward_backward in the vocabulary order runs the token order's
     // three GEMMs in a block of one narrow tile.
     if (logits_fit && kind == call_kind::forward_backward) {
-      const auto kept = kept_logits_plan<Compute>(n_tokens, hidden, vocab_local, vocabulary_tile_min_columns);
-      if (kept.vocab_tile > 0 && kept.plan.bytes <= result.plan.bytes) return kept;
+      const auto kept = kept_logits_or<Compute>(result, n_tokens, hidden, vocab_local, set_size);
+      if (kept.first_vocab_tile > 0) return kept;
     }
     if (kind == call_kind::forward_backward && std::same_as<T, Compute> && !starved) return result;
     // Token slices only where the token order is starved too: a slice's GEMMs re-read every
@@ -1162,32 +1154,52 @@ class engine {
     }
   }
 
-  // A narrower grad_weight's plan, or the kept logits' where they hold no
-  // more: tiles growing to vocabulary_tile_min_columns, else to that plan's
-  // tile (a bf16 grad_weight at N = H / 2 holds one tile's logits in a
-  // tile's rows: the tiles cannot grow). Through lce_torch (bf16, H 1,024,
+  // The plan `base` (a narrower grad_weight's, or the token order's for one
+  // of the compute type), or the kept logits' where they hold no more: tiles
+  // growing to vocabulary_tile_min_columns, else to base's tile (a bf16
+  // grad_weight at N = H / 2 holds one tile's logits in a tile's rows: the
+  // tiles cannot grow). Through lce_torch (bf16, H 1,024,
   // N 256, 2 threads, Xeon with AMX, warm memory) tiles growing from 512 to
   // 4,096 columns took 1.00x / 1.04x plain's time at V 32,000 / 128,256
   // where tiles growing from 512 to 1,024 took 1.12x / 1.15x.
   template <class G>
-  gradient_plan kept_logits_or(const gradient_plan& gradient, std::int64_t n_tokens, std::int64_t hidden,
+  gradient_plan kept_logits_or(const gradient_plan& base, std::int64_t n_tokens, std::int64_t hidden,
                                std::int64_t vocab_local, std::int64_t set_size) const {
     const bool budget_decides = !fixed_chunk_policy<Chunk> && options_.chunk_tokens <= 0;
-    if (!budget_decides || set_size != 0) return gradient;
-    // Each part no larger, so that workspace_bytes (from `gradient`) still bounds the call.
-    const checked_size tiles = weight_gradient_scratch_bytes<G>(gradient, hidden, vocab_local, 1);
+    if (!budget_decides || set_size != 0) return base;
+    // Each part no larger, so that workspace_bytes (from `base`) still bounds the call. dW of
+    // the compute type goes straight into grad_weight: no scratch to compare.
+    const auto scratch = [&](const gradient_plan& plan) {
+      if constexpr (std::same_as<G, Compute>)
+        return checked_size(0);
+      else
+        return weight_gradient_scratch_bytes<G>(plan, hidden, vocab_local, 1);
+    };
+    const checked_size tiles = scratch(base);
     const auto holds_no_more = [&](const gradient_plan& kept) {
-      const checked_size kept_tiles = weight_gradient_scratch_bytes<G>(kept, hidden, vocab_local, 1);
-      return kept.vocab_tile > 0 && kept.plan.bytes <= gradient.plan.bytes && !kept_tiles.overflow &&
+      const checked_size kept_tiles = scratch(kept);
+      return kept.vocab_tile > 0 && kept.plan.bytes <= base.plan.bytes && !kept_tiles.overflow &&
              (tiles.overflow || kept_tiles.value <= tiles.value);
     };
-    const std::int64_t widths[] = {vocabulary_tile_min_columns, gradient.vocab_tile};
+    const std::int64_t widths[] = {vocabulary_tile_min_columns, base.vocab_tile};
     for (const std::int64_t widest : widths) {
       if (widest == 0) continue;
       const auto kept = kept_logits_plan<G>(n_tokens, hidden, vocab_local, widest);
       if (holds_no_more(kept)) return kept;
     }
-    return gradient;
+    return base;
+  }
+
+  // The call takes `order`: its plan, its vocabulary tiles (if any, for a grad_weight of
+  // element G) and its workspace.
+  template <class G, class Index>
+  void take_plan(prepared_call& call, const gradient_plan& order, const operator_inputs<T, Index>& in) {
+    call.plan = order.plan;
+    call.tiles_into_grad_weight = order.tiles_into_grad_weight;
+    call.vocab_tile = order.vocab_tile;
+    call.first_vocab_tile = order.first_vocab_tile;
+    call.vocab_tile_bounds = vocabulary_tile_bounds<G>(order, in.tokens(), in.hidden.cols, in.weight.rows);
+    call.workspace = workspace_.reserve(backend_, call.plan.bytes, "workspace");
   }
 
   // The vocabulary order's first weight row of each tile, in order, and V_local after the last.
