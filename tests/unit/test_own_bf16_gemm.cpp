@@ -86,60 +86,68 @@ double worst_error(const problem& p, AValue a, BValue b, const std::vector<float
   return worst;
 }
 
-// Runs one problem with padded leading dimensions (A's rows 512 bytes apart or a multiple
-// when asked); checks every element of C and that its padding columns keep their values.
+// A and B of one problem with padded leading dimensions (A's rows 512 bytes apart or a
+// multiple when asked), and C's: B holds bf16 values; A of floats holds values with more
+// bits than bf16 holds, taken by the kernel as hi + lo. a(i, q) and b(q, j) are the values
+// the kernel multiplies, in double: hi = bf16(a) plus lo = bf16(a - hi) (scalar
+// lce::bfloat16 here; lo = 0 for a bf16 A); a kernel that dropped lo would be off by about
+// 2^-9 |a b|.
+template <class AElement, class BElement>
+struct operands {
+  bool at, bt;
+  std::int64_t lda, ldb, ldc;
+  std::vector<AElement> a_data;
+  std::vector<BElement> b_data;
+
+  operands(const problem& p, std::mt19937& rng) : at(p.ta == transpose::yes), bt(p.tb == transpose::yes) {
+    const std::int64_t a_row = at ? p.m : p.k;
+    lda = p.rows_of_512_bytes ? (a_row + 255) / 256 * 256 : a_row + 3;
+    ldb = (bt ? p.k : p.n) + 5;
+    ldc = p.n + 7;
+    std::uniform_real_distribution<float> value(-2.0f, 2.0f);
+    a_data.resize(static_cast<std::size_t>((at ? p.k : p.m) * lda));
+    b_data.resize(static_cast<std::size_t>((bt ? p.n : p.k) * ldb));
+    for (auto& x : a_data)
+      x = static_cast<AElement>(std::same_as<AElement, float> ? value(rng) : static_cast<float>(bfloat16(value(rng))));
+    for (auto& x : b_data) x = static_cast<BElement>(static_cast<float>(bfloat16(value(rng))));
+  }
+
+  double a(std::int64_t i, std::int64_t q) const {
+    const float x = static_cast<float>(a_data[static_cast<std::size_t>(at ? q * lda + i : i * lda + q)]);
+    const float hi = static_cast<float>(bfloat16(x));
+    return static_cast<double>(hi) + static_cast<float>(bfloat16(x - hi));
+  }
+  double b(std::int64_t q, std::int64_t j) const {
+    return static_cast<double>(static_cast<float>(b_data[static_cast<std::size_t>(bt ? j * ldb + q : q * ldb + j)]));
+  }
+};
+
+// Runs one problem: own_bf16_gemm for a bf16 A, own_split_bf16_gemm for an fp32 A (B in bf16
+// or as floats holding bf16 values); checks every element of C and that its padding columns
+// keep their values.
+template <class AElement = bfloat16, class BElement = bfloat16>
 double run(bf16_unit unit, const problem& p, std::mt19937& rng) {
-  const bool at = p.ta == transpose::yes, bt = p.tb == transpose::yes;
-  const std::int64_t a_row = at ? p.m : p.k;
-  const std::int64_t lda = p.rows_of_512_bytes ? (a_row + 255) / 256 * 256 : a_row + 3;
-  const std::int64_t ldb = (bt ? p.k : p.n) + 5, ldc = p.n + 7;
+  const operands<AElement, BElement> in(p, rng);
   std::uniform_real_distribution<float> value(-2.0f, 2.0f);
-  std::vector<bfloat16> a(static_cast<std::size_t>((at ? p.k : p.m) * lda));
-  std::vector<bfloat16> b(static_cast<std::size_t>((bt ? p.n : p.k) * ldb));
-  for (auto& x : a) x = bfloat16(value(rng));
-  for (auto& x : b) x = bfloat16(value(rng));
-  std::vector<float> c(static_cast<std::size_t>(p.m * ldc));
+  std::vector<float> c(static_cast<std::size_t>(p.m * in.ldc));
   // beta = 0 must not read C: NaN there would otherwise show.
   for (auto& x : c) x = p.beta == 0.0f ? std::numeric_limits<float>::quiet_NaN() : value(rng);
   const std::vector<float> before = c;
-  lce::detail::own_bf16_gemm(unit, p.ta, p.tb, p.m, p.n, p.k, p.alpha, a.data(), lda, b.data(), ldb, p.beta, c.data(),
-                             ldc);
-  const auto a_at = [&](std::int64_t i, std::int64_t q) {
-    return static_cast<double>(static_cast<float>(a[static_cast<std::size_t>(at ? q * lda + i : i * lda + q)]));
-  };
-  const auto b_at = [&](std::int64_t q, std::int64_t j) {
-    return static_cast<double>(static_cast<float>(b[static_cast<std::size_t>(bt ? j * ldb + q : q * ldb + j)]));
-  };
-  return worst_error(p, a_at, b_at, c, before, ldc, 1);
+  constexpr bool split = std::same_as<AElement, float>;
+  if constexpr (split)
+    lce::detail::own_split_bf16_gemm(unit, p.ta, p.tb, p.m, p.n, p.k, p.alpha, in.a_data.data(), in.lda,
+                                     in.b_data.data(), in.ldb, p.beta, c.data(), in.ldc);
+  else
+    lce::detail::own_bf16_gemm(unit, p.ta, p.tb, p.m, p.n, p.k, p.alpha, in.a_data.data(), in.lda, in.b_data.data(),
+                               in.ldb, p.beta, c.data(), in.ldc);
+  return worst_error(
+      p, [&](std::int64_t i, std::int64_t q) { return in.a(i, q); },
+      [&](std::int64_t q, std::int64_t j) { return in.b(q, j); }, c, before, in.ldc, split ? 2 : 1);
 }
 
-// The same for own_split_bf16_gemm: A in fp32 (values with more bits than bf16 holds), B in
-// bf16 or as floats holding bf16 values. The reference multiplies A's two parts, hi =
-// bf16(a) and lo = bf16(a - hi) (scalar lce::bfloat16 here); a kernel that dropped lo
-// would be off by about 2^-9 |a b|.
 template <class BElement>
 double run_split(bf16_unit unit, const problem& p, std::mt19937& rng) {
-  const bool at = p.ta == transpose::yes, bt = p.tb == transpose::yes;
-  const std::int64_t lda = (at ? p.m : p.k) + 3, ldb = (bt ? p.k : p.n) + 5, ldc = p.n + 7;
-  std::uniform_real_distribution<float> value(-2.0f, 2.0f);
-  std::vector<float> a(static_cast<std::size_t>((at ? p.k : p.m) * lda));
-  std::vector<BElement> b(static_cast<std::size_t>((bt ? p.n : p.k) * ldb));
-  for (auto& x : a) x = value(rng);
-  for (auto& x : b) x = static_cast<BElement>(static_cast<float>(bfloat16(value(rng))));
-  std::vector<float> c(static_cast<std::size_t>(p.m * ldc));
-  for (auto& x : c) x = p.beta == 0.0f ? std::numeric_limits<float>::quiet_NaN() : value(rng);
-  const std::vector<float> before = c;
-  lce::detail::own_split_bf16_gemm(unit, p.ta, p.tb, p.m, p.n, p.k, p.alpha, a.data(), lda, b.data(), ldb, p.beta,
-                                   c.data(), ldc);
-  const auto a_at = [&](std::int64_t i, std::int64_t q) {
-    const float x = a[static_cast<std::size_t>(at ? q * lda + i : i * lda + q)];
-    const float hi = static_cast<float>(bfloat16(x));
-    return static_cast<double>(hi) + static_cast<float>(bfloat16(x - hi));
-  };
-  const auto b_at = [&](std::int64_t q, std::int64_t j) {
-    return static_cast<double>(static_cast<float>(b[static_cast<std::size_t>(bt ? j * ldb + q : q * ldb + j)]));
-  };
-  return worst_error(p, a_at, b_at, c, before, ldc, 2);
+  return run<float, BElement>(unit, p, rng);
 }
 
 // check(p) for every shape, both transposes of A and of B, and the alpha / beta pairs the
@@ -219,13 +227,11 @@ TEST_CASE_TEMPLATE("Own bf16 GEMM: lce_torch's shapes (logits into a wide C, dX 
 // stay as they were.
 template <class AElement, class BElement>
 void check_into_bf16(bf16_unit unit, const problem& p, std::mt19937& rng) {
-  const bool at = p.ta == transpose::yes, bt = p.tb == transpose::yes;
-  const std::int64_t lda = (at ? p.m : p.k) + 3, ldb = (bt ? p.k : p.n) + 5, ldc = p.n + 7;
+  const operands<AElement, BElement> in(p, rng);
+  const std::int64_t lda = in.lda, ldb = in.ldb, ldc = in.ldc;
+  const auto& a = in.a_data;
+  const auto& b = in.b_data;
   std::uniform_real_distribution<float> value(-2.0f, 2.0f);
-  std::vector<AElement> a(static_cast<std::size_t>((at ? p.k : p.m) * lda));
-  std::vector<BElement> b(static_cast<std::size_t>((bt ? p.n : p.k) * ldb));
-  for (auto& x : a) x = static_cast<AElement>(std::same_as<AElement, float> ? value(rng) : static_cast<float>(bfloat16(value(rng))));
-  for (auto& x : b) x = static_cast<BElement>(static_cast<float>(bfloat16(value(rng))));
   std::vector<bfloat16> c(static_cast<std::size_t>(p.m * ldc));
   for (std::int64_t i = 0; i < p.m; ++i)
     for (std::int64_t j = 0; j < ldc; ++j)
@@ -254,14 +260,8 @@ void check_into_bf16(bf16_unit unit, const problem& p, std::mt19937& rng) {
     CHECK(differing == 0);
   }
 
-  const auto a_at = [&](std::int64_t i, std::int64_t q) {
-    const float x = static_cast<float>(a[static_cast<std::size_t>(at ? q * lda + i : i * lda + q)]);
-    const float hi = static_cast<float>(bfloat16(x));
-    return static_cast<double>(hi) + static_cast<float>(bfloat16(x - hi));  // x itself for a bf16 A
-  };
-  const auto b_at = [&](std::int64_t q, std::int64_t j) {
-    return static_cast<double>(static_cast<float>(b[static_cast<std::size_t>(bt ? j * ldb + q : q * ldb + j)]));
-  };
+  const auto a_at = [&](std::int64_t i, std::int64_t q) { return in.a(i, q); };
+  const auto b_at = [&](std::int64_t q, std::int64_t j) { return in.b(q, j); };
   const int parts = std::same_as<AElement, float> ? 2 : 1;
   double worst = 0.0;
   for (std::int64_t i = 0; i < p.m; ++i)

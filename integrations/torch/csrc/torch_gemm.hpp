@@ -16,8 +16,9 @@
 // later, Intel Cooper Lake). On a 2-core AMX Xeon, in one process, a bf16 step
 // took 0.99-1.23x plain PyTorch's time with it against 1.18-1.37x with MKL's
 // (README, PyTorch); on a 2-core Zen 5, where MKL's bf16 GEMM runs a quarter
-// of the CPU's bf16 rate, lce's kernel on AVX512-BF16 took it from 3-4x plain's
-// time to below plain's. Elsewhere with bf16 instructions, the bf16 x bf16 ->
+// of the CPU's bf16 rate, lce's kernel on AVX512-BF16 took it from 3.0-4.5x
+// plain's time to 0.79-0.94x at N <= 512 (README, "On an AMD EPYC (Zen 5)").
+// Elsewhere with bf16 instructions, the bf16 x bf16 ->
 // fp32 GEMM of the MKL that PyTorch's x86 wheels carry inside libtorch_cpu
 // (cblas_gemm_bf16bf16f32, fp32 accumulation), looked up at run time in the
 // libtorch_cpu this process loaded, so a torch without it (aarch64, a build
