@@ -87,42 +87,55 @@ enum class bf16_unit { amx, avx512 };
 
 #if LCE_HAS_OWN_BF16_KERNEL
 
-// Whether this CPU has AMX-BF16 and AVX-512BW, the OS saves their state, and
-// Linux granted this process the tile data (ARCH_REQ_XCOMP_PERM, asked once:
-// the grant holds for every thread of the process).
-inline bool amx_bf16_gemm_available() {
-  static const bool available = [] {
+// What cpuid and XCR0 say of the x86 features the two units need (zero where the OS does not
+// use XSAVE).
+struct x86_bf16_features {
+  unsigned leaf7_ebx = 0, leaf7_edx = 0, leaf7_1_eax = 0;
+  std::uint64_t xcr0 = 0;
+
+  static x86_bf16_features read() {
+    x86_bf16_features f;
     unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    const bool avx512 = (b & (1u << 16)) && (b & (1u << 30)) && (b & (1u << 31));  // F, BW, VL
-    const bool amx = (d & (1u << 22)) && (d & (1u << 24));                     // AMX-BF16, AMX-TILE
-    if (!avx512 || !amx) return false;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return f;  // OSXSAVE
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return f;
+    f.leaf7_ebx = b, f.leaf7_edx = d;
+    if (__get_cpuid_count(7, 1, &a, &b, &c, &d)) f.leaf7_1_eax = a;
     unsigned lo = 0, hi = 0;
     __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    const std::uint64_t xcr0 = (std::uint64_t{hi} << 32) | lo;
-    constexpr std::uint64_t avx512_state = 0xe6, tile_state = std::uint64_t{3} << 17;
-    if ((xcr0 & avx512_state) != avx512_state || (xcr0 & tile_state) != tile_state) return false;
+    f.xcr0 = (std::uint64_t{hi} << 32) | lo;
+    return f;
+  }
+  // AVX-512 F, DQ, BW and VL, and the OS saves the zmm state.
+  bool avx512() const {
+    constexpr unsigned f_dq_bw_vl = (1u << 16) | (1u << 17) | (1u << 30) | (1u << 31);
+    constexpr std::uint64_t zmm_state = 0xe6;
+    return (leaf7_ebx & f_dq_bw_vl) == f_dq_bw_vl && (xcr0 & zmm_state) == zmm_state;
+  }
+  bool avx512_bf16() const { return avx512() && (leaf7_1_eax & (1u << 5)); }
+  // AMX-BF16 and AMX-TILE, and the OS saves the tile state.
+  bool amx_bf16() const {
+    constexpr unsigned bf16_tile = (1u << 22) | (1u << 24);
+    constexpr std::uint64_t tile_state = std::uint64_t{3} << 17;
+    return avx512() && (leaf7_edx & bf16_tile) == bf16_tile && (xcr0 & tile_state) == tile_state;
+  }
+};
+
+// Whether this CPU has AMX-BF16 and AVX-512, the OS saves their state, and Linux granted
+// this process the tile data (ARCH_REQ_XCOMP_PERM, asked once: the grant holds for every
+// thread of the process).
+inline bool amx_bf16_gemm_available() {
+  static const bool available = [] {
+    if (!x86_bf16_features::read().amx_bf16()) return false;
     constexpr long request_permission = 0x1023, tile_data = 18;  // ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA
     return syscall(SYS_arch_prctl, request_permission, tile_data) == 0;
   }();
   return available;
 }
 
-// Whether this CPU has AVX512-BF16 (VDPBF16PS) with AVX-512 F, BW, VL and DQ, and the OS
-// saves the AVX-512 state (AMD Zen 4 and later, Intel Cooper Lake, Sapphire Rapids and later).
+// Whether this CPU has AVX512-BF16 (VDPBF16PS) with AVX-512 and the OS saves its state (AMD
+// Zen 4 and later, Intel Cooper Lake, Sapphire Rapids and later).
 inline bool avx512_bf16_gemm_available() {
-  static const bool available = [] {
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return false;  // OSXSAVE
-    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-    const bool avx512 = (b & (1u << 16)) && (b & (1u << 17)) && (b & (1u << 30)) && (b & (1u << 31));  // F DQ BW VL
-    if (!avx512 || !__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5))) return false;       // AVX512-BF16
-    unsigned lo = 0, hi = 0;
-    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-    constexpr std::uint64_t avx512_state = 0xe6;
-    return ((std::uint64_t{hi} << 32 | lo) & avx512_state) == avx512_state;
-  }();
+  static const bool available = x86_bf16_features::read().avx512_bf16();
   return available;
 }
 
@@ -871,15 +884,6 @@ inline void own_bf16_gemm_into_bf16(bf16_unit, transpose, transpose, std::int64_
 // Whether lce's kernel runs on `unit` here.
 inline bool own_bf16_gemm_available(bf16_unit unit) {
   return unit == bf16_unit::amx ? amx_bf16_gemm_available() : avx512_bf16_gemm_available();
-}
-
-// The unit lce's kernel runs on by default, the faster that this CPU has, if any: AMX tiles
-// (about 2x the multiplies of AVX512-BF16 per cycle on a Sapphire Rapids core) before
-// AVX512-BF16 (Zen 4 and later, Cooper Lake).
-inline std::optional<bf16_unit> fastest_bf16_unit() {
-  if (amx_bf16_gemm_available()) return bf16_unit::amx;
-  if (avx512_bf16_gemm_available()) return bf16_unit::avx512;
-  return std::nullopt;
 }
 
 // A provider's bf16_gemm_into_bf16 (gemm_provider.hpp): this kernel on `unit` where the
