@@ -320,13 +320,16 @@ TEST_CASE("bf16 operands: the vocabulary order (all tokens at once, the vocabula
 // kept row (overwrite_cases.hpp: against the reference, every scaling).
 // Each logit is then computed once, where the vocabulary order without
 // the overwrite computes them twice: the logits GEMMs' outputs sum to N x V,
-// not 2 N x V.
+// not 2 N x V. At N = H, where a row holds half a logit column of every
+// token, the tiles kept and those computed again alternate: between the two.
 TEST_CASE("bf16 operands: a forward_backward keeps its logits in a bf16 grad_weight between its sweeps") {
   using T = lce::bfloat16;
   expect_gemms<T>([] { cases::overwrite::logits_kept_in_grad_weight<bf16_operands_env, T>(3); });
   cases::overwrite::logits_kept_in_grad_weight<cblas_bf16_operands_env, T>(3);
 
-  const std::int64_t n = 48, h = 128, v = 12001;
+  const std::int64_t n = 48, v = 12001;
+  for (const std::int64_t h : {128, 48}) {
+  CAPTURE(h);
   const problem p = make_problem(n, h, v, 95, rounder_for<T>(), 1.0, 0.3, 0.1);
   const auto g = random_vector(n, 96, -1.0, 1.0, rounder_for<float>());
   const auto X = make_matrix<T>(p.x, n, h);
@@ -347,8 +350,11 @@ TEST_CASE("bf16 operands: a forward_backward keeps its logits in a bf16 grad_wei
     CHECK(nan == 0);
     return shared_calls().logits_elements.load() - before;
   };
-  CHECK(logits_computed(true) == n * v);
+  const std::int64_t kept = logits_computed(true);
+  if (h >= 2 * n) CHECK(kept == n * v);
+  else CHECK((kept > n * v && 10 * kept <= 16 * n * v));
   CHECK(logits_computed(false) == 2 * n * v);
+  }
 }
 
 TEST_CASE("bf16 operands: dX goes to the bf16 GEMM in tiles of at least 512 x 512, and sums as one GEMM") {

@@ -381,6 +381,41 @@ TEST_CASE("grad_hidden: dX is cut into tiles (from the shapes alone) for every t
   }
 }
 
+// The engine's first touch of grad_weight's bytes that will hold kept logits
+// (core/backend.hpp: touches_pages): a zero into every page the range
+// reaches, from its first byte on, and nothing outside it, whatever the
+// threads and however the range sits on the pages.
+TEST_CASE("touch_pages: a zero byte into every page of the range, nothing outside it") {
+  constexpr std::size_t page = 4096, size = 40 * page;
+  const std::size_t starts[] = {0, 1, 100, page - 1, page};
+  const std::size_t lengths[] = {1, 63, page, page + 1, 17 * page + 5, 30 * page};
+  for (int threads : {1, 2, 3}) {
+    lce::host backend{threads};
+    for (const std::size_t start : starts)
+      for (const std::size_t length : lengths) {
+        CAPTURE(threads);
+        CAPTURE(start);
+        CAPTURE(length);
+        std::vector<unsigned char> memory(size + page, 0xAB);
+        // The buffer's own page boundaries, so that the pages are known.
+        auto* const base = reinterpret_cast<unsigned char*>(
+            (reinterpret_cast<std::uintptr_t>(memory.data()) + page - 1) / page * page);
+        unsigned char* const first = base + start;
+        backend.touch_pages(first, length);
+        std::size_t outside = 0, missed = 0;
+        for (std::size_t i = 0; i < size; ++i) {
+          const bool in_range = i >= start && i < start + length;
+          const bool page_start = i == start || (in_range && i % page == 0);
+          if (!in_range) outside += base[i] != 0xAB;
+          else if (page_start) missed += base[i] != 0;
+          else outside += base[i] != 0xAB;
+        }
+        CHECK(outside == 0);
+        CHECK(missed == 0);
+      }
+  }
+}
+
 TEST_CASE_TEMPLATE("2-byte weight: widened once per vocabulary tile into one block sized from the shapes", T,
                    lce::bfloat16, lce::float16) {
   const std::int64_t rows = 192, vocab = 3100, hidden = 256;

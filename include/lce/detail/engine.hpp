@@ -367,6 +367,10 @@ class engine {
         // Or once, kept in grad_weight in between (logits_fit_grad_weight).
         const matrix_view<GradWeight> keep_logits_in =
             call.keeps_logits_in_grad_weight() ? grad_weight : matrix_view<GradWeight>{};
+        if constexpr (touches_pages<Backend>) {
+          if (keep_logits_in.data)
+            backend_.touch_pages(keep_logits_in.data, static_cast<std::size_t>(call.vocab_tiles.kept_bytes));
+        }
         sweep.run(in, [&](const auto& whole) {
           statistics_by_vocabulary_tiles(sweep, whole, call, with_entropy, out.has_mean_logit, keep_logits_in);
           scatter_outputs(sweep, whole, out);
@@ -396,6 +400,30 @@ class engine {
   }
 
  private:
+  // The vocabulary order's tiles: the first weight row of each, in order, and
+  // V_local after the last. With kept logits (kept_logits_plan), also where
+  // each tile's fp32 logits stay between the two sweeps: a byte offset into
+  // grad_weight, or in_logit_block (computed again in the second sweep,
+  // but for the last such tile, whose logits the block still holds).
+  struct vocabulary_tiles {
+    static constexpr std::int64_t in_logit_block = -1;
+    std::vector<std::int64_t> bounds;
+    std::vector<std::int64_t> kept_at;  // one per tile; empty without kept logits
+    std::int64_t kept_bytes = 0;        // from grad_weight's start, that the kept logits take
+
+    std::size_t count() const { return bounds.empty() ? 0 : bounds.size() - 1; }
+    std::int64_t first_row(std::size_t tile) const { return bounds[tile]; }
+    std::int64_t rows(std::size_t tile) const { return bounds[tile + 1] - bounds[tile]; }
+    bool kept(std::size_t tile) const { return !kept_at.empty() && kept_at[tile] != in_logit_block; }
+    // The tile whose logits the block holds after the first sweep.
+    std::size_t last_in_logit_block() const {
+      std::size_t last = 0;
+      for (std::size_t t = 0; t < count(); ++t)
+        if (!kept(t)) last = t;
+      return last;
+    }
+  };
+
   // What steps 1-3 hand to the sweep.
   struct prepared_call {
     workspace_plan<Compute> plan;
@@ -407,10 +435,10 @@ class engine {
     bool tiles_into_grad_weight = false;
     std::int64_t vocab_tile = 0;            // > 0: the vocabulary order (vocabulary_tiles_plan), its widest tile
     // > 0: the first tile's columns: the tiles' logits kept in grad_weight
-    // (kept_logits_plan), only the first's in the logit block.
+    // (kept_logits_plan), but those in the logit block.
     std::int64_t first_vocab_tile = 0;
-    // The vocabulary order's first weight row of each tile, in order, and V_local after the last.
-    std::vector<std::int64_t> vocab_tile_bounds;
+    // The vocabulary order's tiles (vocabulary_tiles_of).
+    vocabulary_tiles vocab_tiles;
     std::int64_t vocab = 0;                 // the whole vocabulary V
 
     bool keeps_logits_in_grad_weight() const { return first_vocab_tile > 0; }
@@ -423,9 +451,9 @@ class engine {
   template <class Chunk_, class Body>
   static void for_vocabulary_tiles(sweep_type& sweep, const Chunk_& whole, const prepared_call& call, Body&& body) {
     const std::int64_t rows = whole.logits.rows;
-    const auto& bounds = call.vocab_tile_bounds;
-    for (std::size_t t = 0; t + 1 < bounds.size(); ++t) {
-      const auto tile = sweep.vocabulary_tile(whole, bounds[t], bounds[t + 1] - bounds[t]);
+    const auto& tiles = call.vocab_tiles;
+    for (std::size_t t = 0; t < tiles.count(); ++t) {
+      const auto tile = sweep.vocabulary_tile(whole, tiles.first_row(t), tiles.rows(t));
       for (std::int64_t row = 0; row < whole.rows; row += rows)
         body(sweep.token_slice(tile, row, std::min(rows, whole.rows - row)), t);
     }
@@ -445,17 +473,18 @@ class engine {
   }
 
   // Where a tile's fp32 logits are kept (kept_logits_plan): in the bytes of
-  // grad_weight's rows of the tile before it, the first tile's in the logit
-  // block. dz goes in their place (in the GEMMs' operand type over the first
-  // half of each row where that is 2-byte: dz_operand_in_logit_rows). The
-  // gradient sweep then runs the tiles last to first, so that each tile's
-  // dW, written over its own rows, lands on logits already consumed.
+  // grad_weight's rows before the tile's own, or in the logit block. dz goes
+  // in their place (in the GEMMs' operand type over the first half of each
+  // row where that is 2-byte: dz_operand_in_logit_rows). The gradient sweep
+  // then runs the tiles last to first, so that each tile's dW, written over
+  // its own rows, lands on logits already consumed.
   template <class Chunk_, class G>
   static Chunk_ logits_kept_in(const matrix_view<G>& grad_weight, const Chunk_& slice, const prepared_call& call,
                                std::size_t tile) {
-    if (tile == 0) return slice;
+    if (!call.vocab_tiles.kept(tile)) return slice;
     auto c = slice;
-    auto* const kept = reinterpret_cast<Compute*>(grad_weight.row(call.vocab_tile_bounds[tile - 1]));
+    auto* const kept = reinterpret_cast<Compute*>(reinterpret_cast<std::byte*>(grad_weight.data) +
+                                                  call.vocab_tiles.kept_at[tile]);
     const std::int64_t rows = slice.logits.rows, cols = slice.logits.cols;
     c.logits = {kept, rows, cols, cols};
     if constexpr (sweep_type::dz_in_logit_rows) {
@@ -468,7 +497,8 @@ class engine {
   // gradient_by_vocabulary_tiles on the logits kept in grad_weight (soft-capped
   // there by the statistics pass): the tiles last to first, all the rows at
   // once, each tile's dz made in place of its kept logits and its dW written
-  // over grad_weight's rows (beta 0).
+  // over grad_weight's rows (beta 0). The tiles not kept take their logits
+  // again in the block, but the last of them, whose logits it still holds.
   template <class Chunk_, class Args, class GradHidden, class G>
   void gradient_by_kept_logits(sweep_type& sweep, const Chunk_& whole, const prepared_call& call, const Args& args,
                                const matrix_view<GradHidden>& grad_hidden, const matrix_view<G>& grad_weight,
@@ -476,12 +506,14 @@ class engine {
                                const vector_view<Compute>& grad_bias) {
     matrix_view<Compute> sum = whole.grad_hidden_stage;
     if constexpr (std::same_as<GradHidden, Compute>) sum = grad_hidden;
-    const auto& bounds = call.vocab_tile_bounds;
-    for (std::size_t t = bounds.size() - 1; t-- > 0;) {
-      const auto tile = sweep.vocabulary_tile(whole, bounds[t], bounds[t + 1] - bounds[t]);
+    const auto& tiles = call.vocab_tiles;
+    const std::size_t in_block = tiles.last_in_logit_block();
+    for (std::size_t t = tiles.count(); t-- > 0;) {
+      const auto tile = sweep.vocabulary_tile(whole, tiles.first_row(t), tiles.rows(t));
       const auto slice = logits_kept_in(grad_weight, sweep.token_slice(tile, 0, whole.rows), call, t);
+      if (!tiles.kept(t) && t != in_block) sweep.recompute_logits(slice);
       backend_.logit_gradients(sweep.gradient_of_tile(args, slice));
-      sweep.propagate_tile(slice, t + 2 == bounds.size(), sum, weight_gradient, grad_bias);
+      sweep.propagate_tile(slice, t + 1 == tiles.count(), sum, weight_gradient, grad_bias);
     }
     if constexpr (!std::same_as<GradHidden, Compute>) backend_.copy(matrix_view<const Compute>(sum), grad_hidden);
   }
@@ -856,11 +888,13 @@ class engine {
   // (options.overwrite_weight_gradients, with a backend whose dW GEMM writes
   // its rows with beta 0: in the compute type, or a narrower grad_weight
   // straight from the backend's tiles), its rows contiguous and aligned for
-  // the compute type, and a row of it holding a logit column of every token
-  // (N x sizeof(Compute) <= H x sizeof(G): N <= H in fp32, N <= H / 2 for a
-  // bf16 grad_weight), so that a tile's [N, tile] fp32 logits fit in a tile's
-  // rows of it. The tiles' [N, V_local] logits then take grad_weight's
-  // storage instead of being computed twice (see gradient_by_kept_logits).
+  // the compute type, and a row of it holding half a logit column of every
+  // token or more (N x sizeof(Compute) <= 2 H x sizeof(G): N <= 2 H in fp32,
+  // N <= H for a bf16 grad_weight). The tiles' [N, V_local] logits then take
+  // grad_weight's storage instead of being computed twice (see
+  // gradient_by_kept_logits): all of them where a row holds a whole column,
+  // else those of the tiles whose logits the rows before them hold
+  // (vocabulary_tiles_of).
   template <class GradWeight>
   bool logits_fit_grad_weight(call_kind kind, const GradWeight& grad_weight, std::int64_t n_tokens) const {
     if constexpr (std::same_as<GradWeight, no_weight_gradient_t>) {
@@ -873,7 +907,7 @@ class engine {
         return kind == call_kind::forward_backward && options_.overwrite_weight_gradients && comm_.size() == 1 &&
                n_tokens > 0 && grad_weight.ld == grad_weight.cols &&
                reinterpret_cast<std::uintptr_t>(grad_weight.data) % alignof(Compute) == 0 &&
-               n_tokens <= grad_weight.cols * static_cast<std::int64_t>(sizeof(G)) /
+               n_tokens <= 2 * grad_weight.cols * static_cast<std::int64_t>(sizeof(G)) /
                                static_cast<std::int64_t>(sizeof(Compute));
       }
     }
@@ -1041,8 +1075,9 @@ class engine {
     constexpr std::int64_t least = min_efficient_chunk_rows<Backend>();
     const bool starved = least != INT64_MAX && result.plan.local_chunk < std::min(n_tokens, least);
     // Its logits kept in grad_weight, a forward_backward in the vocabulary order runs the token order's
-    // three GEMMs in a block of one narrow tile.
-    if (logits_fit && kind == call_kind::forward_backward) {
+    // three GEMMs in a block of one narrow tile. Where they fit only in part (H < N <= 2 H), it runs
+    // about three and a half: fewer than the vocabulary order's four, more than the token order's three.
+    if (logits_fit && kind == call_kind::forward_backward && (n_tokens <= hidden || !std::same_as<T, Compute>)) {
       const auto kept = kept_logits_or<Compute>(result, n_tokens, hidden, vocab_local, set_size);
       if (kept.first_vocab_tile > 0) return kept;
     }
@@ -1104,29 +1139,27 @@ class engine {
   }
 
   // The vocabulary order of a forward_backward whose logits fit grad_weight
-  // (logits_fit_grad_weight), all its rows at once, each tile's logits but
-  // the first's kept in grad_weight's rows of the tile before it (not in the
-  // logit block). A tile may then be as many times wider than the one
-  // before as those rows hold logit columns of every token (H sizeof(G) /
-  // (N sizeof(Compute)): 4 in fp32 at N = H / 4, 2 for a bf16 grad_weight
-  // at N = H / 4). Only the first tile's logits take the block, so the tiles
-  // start narrow and grow to `widest`: the first as narrow as one step
-  // allows, and narrower by more steps (kept_logits_ramp) while it stays
-  // kept_logits_least_first columns wide. Through lce_torch (float32, H
-  // 1,024, V 32,000, N 256 / 1,024, 2 threads, Xeon) tiles of 1,024 columns
-  // had taken 0.227 / 0.736 s where 4,000 took 0.167 / 0.552, and 16,000 no
-  // less; so fp32 tiles grow to vocabulary_tile_min_columns.
+  // (logits_fit_grad_weight), all its rows at once, the logits of its tiles
+  // kept in grad_weight's rows before each tile's own (vocabulary_tiles_of),
+  // the first tile's in the logit block. Where a row holds a logit column of
+  // every token (N sizeof(Compute) <= H sizeof(G)), every later tile's logits
+  // are kept, and a tile may be as many times wider than the one before as
+  // those rows hold logit columns (4 in fp32 at N = H / 4, 2 for a bf16
+  // grad_weight at N = H / 4). Only the first tile's logits take the block,
+  // so the tiles start narrow and grow to `widest`: the first as narrow as
+  // one step allows, and narrower by more steps (kept_logits_ramp) while it
+  // stays kept_logits_least_first columns wide. Through lce_torch (float32,
+  // H 1,024, V 32,000, N 256 / 1,024, 2 threads, Xeon) tiles of 1,024
+  // columns had taken 0.227 / 0.736 s where 4,000 took 0.167 / 0.552, and
+  // 16,000 no less; so fp32 tiles grow to vocabulary_tile_min_columns.
+  // Where a row holds less (a bf16 grad_weight at H / 2 < N <= H), the
+  // first tile is `widest`, and the tiles whose logits the rows before them
+  // cannot hold (in kept_logits_step columns or more) take the block too,
+  // their logits computed again in the second sweep: at N = H about half
+  // of them.
   static constexpr int kept_logits_ramp = 3;
   static constexpr std::int64_t kept_logits_least_first = 512;
-
-  // The widest tile after one of `previous` columns whose logits its rows hold (see kept_logits_plan).
-  template <class G>
-  static std::int64_t kept_tile_after(std::int64_t previous, std::int64_t n_tokens, std::int64_t hidden,
-                                      std::int64_t widest) {
-    const std::int64_t fits = previous * hidden * static_cast<std::int64_t>(sizeof(G)) /
-                              (n_tokens * static_cast<std::int64_t>(sizeof(Compute)));
-    return std::min(widest, fits / line_elements * line_elements);
-  }
+  static constexpr std::int64_t kept_logits_step = 1024;
 
   template <class G>
   gradient_plan kept_logits_plan(std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local,
@@ -1198,23 +1231,56 @@ class engine {
     call.tiles_into_grad_weight = order.tiles_into_grad_weight;
     call.vocab_tile = order.vocab_tile;
     call.first_vocab_tile = order.first_vocab_tile;
-    call.vocab_tile_bounds = vocabulary_tile_bounds<G>(order, in.tokens(), in.hidden.cols, in.weight.rows);
+    call.vocab_tiles = vocabulary_tiles_of<G>(order, in.tokens(), in.hidden.cols, in.weight.rows);
     call.workspace = workspace_.reserve(backend_, call.plan.bytes, "workspace");
   }
 
-  // The vocabulary order's first weight row of each tile, in order, and V_local after the last.
+  // The vocabulary order's tiles of `order`: of order.vocab_tile columns, or
+  // with kept logits (order.first_vocab_tile > 0) the first of that many,
+  // then each as wide as the bytes of grad_weight's rows before it that no
+  // tile's kept logits take yet hold its logits (up to order.vocab_tile, in
+  // whole steps of kept_logits_step columns, or of the first tile's if it
+  // is narrower), there kept; or where that is under one step (and not the
+  // rest of the shard), one of first_vocab_tile columns in the logit block.
+  // Whole steps split evenly over the threads' GEMM tiles: bf16 through
+  // lce_torch at N 768 (H 1,024, V 32,000, 2 threads, Zen 5) took 0.26 s in
+  // steps of 512 columns, 0.245 s in steps of 1,024, where the logit block
+  // alone took 0.28 s. Each tile's kept
+  // logits lie in rows before its own, apart from every other tile's: the
+  // first sweep writes them over no logits it keeps, the second (last tile
+  // to first) writes each tile's dW over logits already consumed.
   template <class G>
-  static std::vector<std::int64_t> vocabulary_tile_bounds(const gradient_plan& order, std::int64_t n_tokens,
-                                                          std::int64_t hidden, std::int64_t vocab_local) {
-    std::vector<std::int64_t> bounds;
-    if (order.vocab_tile == 0) return bounds;
-    bounds.push_back(0);
-    std::int64_t width = order.first_vocab_tile > 0 ? order.first_vocab_tile : order.vocab_tile;
-    while (bounds.back() < vocab_local) {
-      bounds.push_back(std::min(vocab_local, bounds.back() + width));
-      if (order.first_vocab_tile > 0) width = kept_tile_after<G>(width, n_tokens, hidden, order.vocab_tile);
+  static vocabulary_tiles vocabulary_tiles_of(const gradient_plan& order, std::int64_t n_tokens, std::int64_t hidden,
+                                              std::int64_t vocab_local) {
+    vocabulary_tiles tiles;
+    if (order.vocab_tile == 0) return tiles;
+    const bool keeps = order.first_vocab_tile > 0;
+    const std::int64_t first = keeps ? order.first_vocab_tile : order.vocab_tile;
+    const std::int64_t row_bytes = hidden * static_cast<std::int64_t>(sizeof(G));
+    const std::int64_t column_bytes = n_tokens * static_cast<std::int64_t>(sizeof(Compute));
+    constexpr auto line_bytes = static_cast<std::int64_t>(workspace_alignment);
+    const std::int64_t step = std::min(first, kept_logits_step);
+    std::int64_t used = 0;  // bytes from grad_weight's first row that kept logits take
+    tiles.bounds.push_back(0);
+    for (std::int64_t start = 0; start < vocab_local;) {
+      const std::int64_t rest = vocab_local - start;
+      std::int64_t width = std::min(first, rest);
+      std::int64_t kept_at = vocabulary_tiles::in_logit_block;
+      if (keeps && start > 0) {
+        const std::int64_t room = std::min(order.vocab_tile, (start * row_bytes - used) / column_bytes);
+        const std::int64_t whole = room / step * step;
+        if (rest <= room || whole > 0) {
+          width = rest <= room ? rest : whole;
+          kept_at = used;
+          used += detail::ceil_div(width * column_bytes, line_bytes) * line_bytes;
+        }
+      }
+      if (keeps) tiles.kept_at.push_back(kept_at);
+      start += width;
+      tiles.bounds.push_back(start);
     }
-    return bounds;
+    tiles.kept_bytes = used;
+    return tiles;
   }
 
   template <class G>

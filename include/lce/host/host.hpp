@@ -453,6 +453,22 @@ class basic_host {
     for_rows(target.rows, target.cols, [&](std::int64_t r) { detail::zero_row(target.row(r), target.cols); });
   }
 
+  // A zero byte into every 4 KiB page of [data, data + bytes), the threads over disjoint
+  // ranges of pages (core/backend.hpp: touches_pages).
+  void touch_pages(void* data, std::size_t bytes) {
+    if (bytes == 0) return;
+    constexpr std::uintptr_t page = 4096;
+    const auto begin = reinterpret_cast<std::uintptr_t>(data), end = begin + bytes;
+    const auto first_page = static_cast<std::int64_t>(begin / page);
+    const auto pages = static_cast<std::int64_t>((end - 1) / page) - first_page + 1;
+    pool_->parallel_for(pages, 256, [&](std::int64_t from, std::int64_t to, int) {
+      for (std::int64_t p = from; p < to; ++p) {
+        const std::uintptr_t at = std::max(begin, static_cast<std::uintptr_t>(first_page + p) * page);
+        *reinterpret_cast<volatile unsigned char*>(at) = 0;
+      }
+    });
+  }
+
   // ---- row passes ----------------------------------------------------------
 
   template <class A>
