@@ -1245,10 +1245,10 @@ class engine {
   // Whole steps split evenly over the threads' GEMM tiles: bf16 through
   // lce_torch at N 768 (H 1,024, V 32,000, 2 threads, Zen 5) took 0.26 s in
   // steps of 512 columns, 0.245 s in steps of 1,024, where the logit block
-  // alone took 0.28 s. Each tile's kept
-  // logits lie in rows before its own, apart from every other tile's: the
-  // first sweep writes them over no logits it keeps, the second (last tile
-  // to first) writes each tile's dW over logits already consumed.
+  // alone took 0.28 s. Each tile's kept logits lie in rows before its own,
+  // apart from every other tile's: the first sweep writes them over no
+  // logits it keeps, the second (last tile to first) writes each tile's dW
+  // over logits already consumed.
   template <class G>
   static vocabulary_tiles vocabulary_tiles_of(const gradient_plan& order, std::int64_t n_tokens, std::int64_t hidden,
                                               std::int64_t vocab_local) {
