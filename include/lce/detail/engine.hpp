@@ -1182,13 +1182,15 @@ class engine {
         first = narrower;
       }
       // A row of a narrower grad_weight holding exactly a column (bf16 at N = H / 2): the tiles
-      // cannot grow, but two half tiles in the block (their logits computed again) make room for
-      // every later tile of `widest` columns, so the block holds half of it: bf16 through lce_torch
-      // at V 32,000, N 512 held 4 MiB against plain's 31-33 (8.1-8.7x less).
-      std::int64_t step = first;
+      // cannot grow, but two half tiles in the block (the first computed again) make room for
+      // every later tile of `widest` columns, so the block holds half of one: bf16 through
+      // lce_torch at V 32,000, N 512 held 4 MiB against plain's 31-33 (8.1-8.7x less) with the
+      // whole tile, 2.8-2.9 MiB (10.8-11.1x) with half, in 0.85-0.88x plain's time (0.78-0.88x
+      // with the whole tile, 2 / 1 threads, one run each).
+      std::int64_t kept_step = first;
       if (sizeof(G) < sizeof(Compute) && first == widest && before(first) == first) {
         first = std::max(kept_logits_least_first, widest / 2 / line_elements * line_elements);
-        step = widest;
+        kept_step = widest;
       }
       auto shape = vocabulary_tile_shape(hidden, first, 0);
       shape.weight_block_elements = backend_.template weight_block_elements<T>(hidden, widest);  // the widest tile's
@@ -1198,7 +1200,7 @@ class engine {
               .tiles_into_grad_weight = true,
               .vocab_tile = widest,
               .first_vocab_tile = first,
-              .kept_step = std::min(step, kept_logits_step)};
+              .kept_step = std::min(kept_step, kept_logits_step)};
     }
   }
 
