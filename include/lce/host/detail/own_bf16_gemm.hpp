@@ -16,9 +16,9 @@
 // libtorch_cpu, bf16 out, not callable with an fp32 output) ran 64 ms; this
 // kernel on the tiles runs them in 66-71 ms (bench/bf16_gemm.cpp's `lce amx`
 // rows). On a 2-core AMD EPYC (Zen 5), MKL's runs 205-228 GFLOP/s on two
-// threads (it does not use AVX512-BF16 there), PyTorch's own 866-937, Debian's
-// oneDNN 2.6 941 / 800 / 732 (logits / dX / dW at 512 tokens), and this kernel
-// on AVX512-BF16 830 / 846 / 653 (bench/bf16_gemm.cpp's `lce avx512` rows). The host
+// threads (it does not use AVX512-BF16 there), PyTorch's own 784-893, Debian's
+// oneDNN 2.6 832 / 717 / 694 (logits / dX / dW at 512 tokens), and this kernel
+// on AVX512-BF16 886 / 844 / 701 (bench/bf16_gemm.cpp's `lce avx512` rows). The host
 // backend's default provider (cblas_gemm, through bf16_gemm_choice.hpp) and
 // lce_torch run their bf16 GEMMs on it wherever the CPU has either unit. Its
 // split form (own_split_bf16_gemm) takes an fp32 A, dz, to 16 bits as two
