@@ -482,9 +482,9 @@ LCE_BF16_KERNEL_TARGET inline void block_product_on_tiles(const a_run* runs, int
 // stack and back at every VDPBF16PS (dW into bf16 at 258 GFLOP/s on a Zen 5 core, against
 // 353 into fp32).
 template <int Rows>
-__attribute__((noinline)) LCE_BF16_KERNEL_TARGET void rows_product_on_vectors(const a_run* runs, int count, const u16* b0, const u16* b1,
-                                                   int row0, const float* from, std::int64_t ld_from, float* to,
-                                                   std::int64_t ld_to) {
+__attribute__((noinline)) LCE_BF16_KERNEL_TARGET void rows_product_on_vectors(
+    const a_run* runs, int count, const u16* b0, const u16* b1, int row0, const float* from, std::int64_t ld_from,
+    float* to, std::int64_t ld_to) {
   // Every loop over the rows unrolled, so that the accumulators and row pointers stay in
   // registers (-O2 alone left the pointers in memory: 380 against 450 GFLOP/s on a Zen 5 core).
   __m512 left[Rows], right[Rows];
@@ -764,7 +764,8 @@ LCE_BF16_KERNEL_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int
         for (std::int64_t p = 0; p < these_panels; ++p) {
           const std::int64_t col = n0 + p * 32;
           // The next block's C, where it is read: from memory (dW's C is 4 MiB) it held the
-          // multiplier up at the start of every block.
+          // multiplier up at the start of every block (dW of 512 tokens added into a bf16 C:
+          // 102 ms without, 79 ms with, on a Zen 5 core).
           if (reads_c) {
             const bool same_rows = p + 1 < these_panels;
             const std::int64_t next_m0 = same_rows ? m0 : m0 + 32, next_col = same_rows ? col + 32 : n0;
