@@ -300,11 +300,9 @@ inline constexpr std::int64_t packed_ahead = 8;
 // function templates inlined into this kernel (no prefetch instruction was left in gemm).
 inline void prefetch_line(const void* p) { __asm__ volatile("prefetcht0 %0" ::"m"(*static_cast<const char*>(p))); }
 
-// The first line of the 32 k from k0 of columns n0 .. n0 + 15 of a B whose k runs along memory.
+// The first line of the 32 k from k0 (< k) of columns n0 .. n0 + 15 of a B whose k runs along memory.
 template <class Element>
-inline void prefetch_columns(const strided_of<Element>& b, std::int64_t k, std::int64_t n, std::int64_t k0,
-                             std::int64_t n0) {
-  if (k0 >= k) return;
+inline void prefetch_columns(const strided_of<Element>& b, std::int64_t n, std::int64_t k0, std::int64_t n0) {
   for (std::int64_t c = n0; c < std::min(n, n0 + 16); ++c) prefetch_line(b.at(k0, c));
 }
 
@@ -734,7 +732,7 @@ LCE_BF16_KERNEL_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int
         for (std::int64_t t = 0; t < tiles; ++t) {
           const std::int64_t p = t / steps, s = t % steps;
           if (const std::int64_t next = t + packed_ahead; next < tiles)
-            prefetch_columns(b, k, n, k0 + next % steps * step, n0 + next / steps * 16);
+            prefetch_columns(b, n, k0 + next % steps * step, n0 + next / steps * 16);
           pack_b_tile(b, k, n, k0 + s * step, n0 + p * 16, b_stream(p) + s * tile_elements);
         }
       }
