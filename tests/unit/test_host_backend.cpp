@@ -18,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <cstring>
 #include <mutex>
 #include <stdexcept>
@@ -772,4 +773,58 @@ TEST_CASE("host::allocate with scratch_pages::base: no huge-page advice (the pag
   const std::size_t huge = anon_huge_page_bytes(begin, begin + bytes);
   backend.deallocate(block, bytes);
   CHECK(huge == 0);
+}
+
+// The vocabulary order's logits kept in 2 bytes (keeps_logit_ratios): each row
+// comes back from its bf16 ratios and centre, checked here against the logits
+// themselves in double: the row's largest exactly (its p may be near 1, where
+// 1 - p would lose its digits), every logit whose ratio is normal within the
+// bf16 rounding of exp(z - c) (2^-8 of p, so about 2^-8 in absolute terms), -inf as -inf, a row of -inf back as -inf (centre 0), a NaN as a NaN,
+// and rows of every length around the SIMD width (the scalar tail).
+TEST_CASE("host keep_logit_ratios / expand_logit_ratios: logits back within bf16's rounding of p, the largest exact") {
+  lce::host backend{2};
+  const float inf = std::numeric_limits<float>::infinity();
+  for (const std::int64_t cols : {1, 15, 16, 17, 40, 1000}) {
+    CAPTURE(cols);
+    const std::int64_t rows = 5;
+    std::vector<float> logits(static_cast<std::size_t>(rows * cols));
+    std::uint64_t state = 12345u + static_cast<std::uint64_t>(cols);
+    for (auto& z : logits) {
+      state = state * 6364136223846793005ull + 1442695040888963407ull;
+      z = 40.0f * (static_cast<float>(state >> 40) / 16777216.0f) - 25.0f;  // [-25, 15): ratios from 1 to e^-40
+    }
+    const auto at = [&](std::int64_t r, std::int64_t j) -> float& { return logits[static_cast<std::size_t>(r * cols + j)]; };
+    at(1, cols / 2) = -inf;                                  // a masked column
+    for (std::int64_t j = 0; j < cols; ++j) at(2, j) = -inf;  // a row of -inf
+    at(3, 0) = std::numeric_limits<float>::quiet_NaN();
+    at(4, cols - 1) = 1.0e4f;  // one huge logit: every other ratio 0
+    std::vector<lce::bfloat16> ratios(logits.size());
+    std::vector<float> centres(static_cast<std::size_t>(rows)), back(logits.size(), 7.0f);
+    backend.keep_logit_ratios(lce::matrix_view<const float>{logits.data(), rows, cols, cols},
+                              lce::matrix_view<lce::bfloat16>{ratios.data(), rows, cols, cols}, centres.data());
+    backend.expand_logit_ratios(lce::matrix_view<const lce::bfloat16>{ratios.data(), rows, cols, cols}, centres.data(),
+                                lce::matrix_view<float>{back.data(), rows, cols, cols});
+    for (const std::int64_t r : {0, 1, 4}) {
+      CAPTURE(r);
+      float largest = -inf;
+      for (std::int64_t j = 0; j < cols; ++j) largest = std::max(largest, at(r, j));
+      CHECK(centres[static_cast<std::size_t>(r)] == (largest == -inf ? 0.0f : largest));
+      for (std::int64_t j = 0; j < cols; ++j) {
+        CAPTURE(j);
+        const float z = at(r, j), got = back[static_cast<std::size_t>(r * cols + j)];
+        if (z == largest) {
+          CHECK(got == z);
+        } else if (z == -inf || z - largest < -87.0f) {
+          CHECK(std::exp(static_cast<double>(got) - largest) < 1e-37);  // p as good as 0, as fp32's exp gives it
+        } else {
+          // |log(1 + e)| <= 2^-8 / (1 - 2^-8) for the ratio's rounding (half a bf16 ulp), plus fp32's
+          // rounding of z itself.
+          CHECK(std::fabs(static_cast<double>(got) - z) <= 1.0 / 255 + 4e-7 * std::fabs(z));
+        }
+      }
+    }
+    CHECK(centres[2] == 0.0f);
+    for (std::int64_t j = 0; j < cols; ++j) CHECK(back[static_cast<std::size_t>(2 * cols + j)] == -inf);
+    CHECK(std::isnan(back[static_cast<std::size_t>(3 * cols)]));
+  }
 }

@@ -126,6 +126,19 @@ concept overwrites_compute_weight_gradient =
       b.grad_weight(operand, operand, alpha, dw, alpha);
     };
 
+// Optional: the logits of a vocabulary tile kept in 2 bytes each between the
+// vocabulary order's two sweeps, where a 2-byte grad_weight's rows cannot hold
+// them in fp32 (N > H / 2): keep_logit_ratios writes each row's
+// bf16(exp(z - c)) and its centre c (the row's largest), expand_logit_ratios
+// writes c + log of them back (see the host's keep_ratio_row). Without it
+// those tiles' logits are computed again in the second sweep.
+template <class B>
+concept keeps_logit_ratios = requires(B& b, matrix_view<const float> logits, matrix_view<bfloat16> ratios,
+                                      matrix_view<const bfloat16> kept, float* centres, matrix_view<float> out) {
+  b.keep_logit_ratios(logits, ratios, centres);
+  b.expand_logit_ratios(kept, static_cast<const float*>(centres), out);
+};
+
 // The most bytes of logits a block of the vocabulary order (see
 // adds_grad_hidden) holds, beside the workspace budget. The bound is for
 // speed: on the host the block's row passes then run near the cache, which

@@ -61,6 +61,41 @@ LCE_HOST_DEVICE LCE_ALWAYS_INLINE F fast_exp_fp32(F x) {
 
 LCE_HOST_DEVICE LCE_ALWAYS_INLINE float fast_exp(float x) { return fast_exp_fp32(x); }
 
+// log for the logits kept as ratios to their row's largest (see keep_ratio_row),
+// in (0, 1]: x = 2^e m with m in [0.75, 1.5), log m = 2 atanh(s), s = (m - 1) / (m + 1),
+// |s| <= 0.2, to s^9 (error about 4e-9), and the exponent turned into a float
+// through the same 1.5 * 2^23 bias as fast_exp_fp32 (no int-to-float conversion,
+// which GNU vectors spell differently). log 1 is exactly 0; 0 gives -inf and a
+// NaN stays a NaN.
+template <class F>
+LCE_HOST_DEVICE LCE_ALWAYS_INLINE F fast_log_fp32(F x) {
+  using Int = std::conditional_t<std::is_same_v<F, float>, std::int32_t, decltype(F{} < F{})>;
+  constexpr std::int32_t three_quarters = 0x3f400000;  // the bits of 0.75f
+  constexpr std::int32_t round_shift_bits = 0x4b400000;  // the bits of 1.5 * 2^23
+  constexpr float ln2_hi = 0.693145751953125f;
+  constexpr float ln2_lo = 1.42860682030941723e-6f;
+
+  const Int offset = __builtin_bit_cast(Int, x) - three_quarters;
+  const Int exponent = offset >> 23;
+  const F mantissa = __builtin_bit_cast(F, (offset & 0x7fffff) + three_quarters);
+  const F f = mantissa - 1.0f;
+  const F s = f / (f + 2.0f);
+  const F s2 = s * s;
+  F p = F{} + 1.0f / 9.0f;
+  p = p * s2 + 1.0f / 7.0f;
+  p = p * s2 + 1.0f / 5.0f;
+  p = p * s2 + 1.0f / 3.0f;
+  p = p * s2 + 1.0f;
+  const F e = __builtin_bit_cast(F, exponent + round_shift_bits) - 12582912.0f;
+  const F log_x = e * ln2_hi + ((s + s) * p + e * ln2_lo);
+  const F zero{};
+  const F at_zero = zero + __builtin_bit_cast(float, 0xff800000u);  // -inf
+  const F positive = x > zero ? log_x : at_zero;
+  return x == x ? positive : x;
+}
+
+LCE_HOST_DEVICE LCE_ALWAYS_INLINE float fast_log(float x) { return fast_log_fp32(x); }
+
 LCE_HOST_DEVICE LCE_ALWAYS_INLINE double fast_exp(double x) { return std::exp(x); }
 
 // A logit of -inf (a bias masking its column: padded vocabulary slots, a
@@ -109,6 +144,7 @@ LCE_HOST_DEVICE LCE_ALWAYS_INLINE double fast_tanh(double x) { return std::tanh(
 #if LCE_VECTOR_PACKS && !defined(__CUDA_ARCH__)
 LCE_ALWAYS_INLINE pack<float> fast_exp(pack<float> x) { return fast_exp_fp32(x); }
 LCE_ALWAYS_INLINE pack<float> fast_tanh(pack<float> x) { return fast_tanh_fp32(x); }
+LCE_ALWAYS_INLINE pack<float> fast_log(pack<float> x) { return fast_log_fp32(x); }
 
 // double is the precise path: exp and tanh stay the standard ones, lane by lane.
 LCE_ALWAYS_INLINE pack<double> fast_exp(pack<double> x) {

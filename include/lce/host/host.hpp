@@ -476,6 +476,16 @@ class basic_host {
     for_rows(logits.rows, logits.cols, [&](std::int64_t r) { detail::soft_cap_row(logits.row(r), logits.cols, cap); });
   }
 
+  // The vocabulary order's logits kept in 2 bytes between its sweeps (keeps_logit_ratios).
+  void keep_logit_ratios(matrix_view<const float> logits, matrix_view<bfloat16> ratios, float* centres) {
+    for_rows(logits.rows, logits.cols,
+             [&](std::int64_t r) { centres[r] = detail::keep_ratio_row(logits.row(r), logits.cols, ratios.row(r)); });
+  }
+  void expand_logit_ratios(matrix_view<const bfloat16> ratios, const float* centres, matrix_view<float> logits) {
+    for_rows(logits.rows, logits.cols,
+             [&](std::int64_t r) { detail::expand_ratio_row(ratios.row(r), logits.cols, centres[r], logits.row(r)); });
+  }
+
   template <class A, class I>
   void row_statistics(const statistics_args<A, I>& args) {
     for_rows(args.logits.rows, args.logits.cols, [&](std::int64_t r) {

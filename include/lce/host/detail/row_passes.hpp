@@ -9,9 +9,12 @@
 #include <lce/core/config.hpp>
 #include <lce/core/row_math.hpp>
 #include <lce/core/simd.hpp>
+#include <lce/host/detail/convert.hpp>
 
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 
 LCE_BEGIN_SIMD_PACKS
 
@@ -111,6 +114,43 @@ void gradient_row(A* z, std::int64_t n, A lse, A grad_logprob, A grad_entropy, A
 template <class A>
 void scale_row(A* z, std::int64_t n, A factor, A uniform) {
   transform_row(z, n, [=](auto v) { return v * factor + uniform; });
+}
+
+// A row of logits kept between the vocabulary order's two sweeps in 2 bytes a
+// logit: r = bf16(exp(z - c)) with c = exp_centre(max z), returned. Back as
+// c + log r (expand_ratio_row): z to 2^-8 (half a bf16 ulp of r) where r is
+// normal (z - c above -87), exactly where z is the row's largest (r = 1; the
+// one logit whose p may be near 1, so that 1 - p keeps its digits), and -inf
+// where r is 0. Every p = exp(z - lse) then carries a relative error of at
+// most 2^-8, the rounding its dz gets anyway as a bf16 GEMM operand.
+// (Templates, as every pass here, so that a translation unit of device code that sees
+// them, where the pack overloads of fast_exp and fast_log are hidden, never compiles them.)
+template <class A>
+A keep_ratio_row(const A* z, std::int64_t n, bfloat16* ratios) {
+  static_assert(std::is_same_v<A, float>, "ratios keep fp32 logits");
+  const float centre = exp_centre(row_max(z, n));
+  std::int64_t j = 0;
+#if LCE_VECTOR_PACKS
+  constexpr int lanes = pack_lanes<float>;
+  for (; j + lanes <= n; j += lanes) {
+    const bf16_bits_pack bits = round_pack_to_bf16(fast_exp(load_pack(z + j) - centre));
+    std::memcpy(static_cast<void*>(ratios + j), &bits, sizeof bits);
+  }
+#endif
+  for (; j < n; ++j) ratios[j] = bfloat16(fast_exp(z[j] - centre));
+  return centre;
+}
+
+// z = centre + log r: the logits of keep_ratio_row.
+template <class A>
+void expand_ratio_row(const bfloat16* ratios, std::int64_t n, A centre, A* z) {
+  static_assert(std::is_same_v<A, float>, "ratios keep fp32 logits");
+  std::int64_t j = 0;
+#if LCE_VECTOR_PACKS
+  constexpr int lanes = pack_lanes<float>;
+  for (; j + lanes <= n; j += lanes) store_pack(z + j, fast_log(widen_bf16_pack(ratios + j)) + centre);
+#endif
+  for (; j < n; ++j) z[j] = fast_log(static_cast<float>(ratios[j])) + centre;
 }
 
 template <class A>
