@@ -411,6 +411,7 @@ class engine {
     std::vector<std::int64_t> kept_at;  // one per tile; empty without kept logits
     std::int64_t kept_bytes = 0;        // from grad_weight's start, that the kept logits take
     bool ratios = false;                // kept as bf16 ratios and row centres (kept_ratios_plan), not fp32 logits
+    std::vector<std::int64_t> centres_at;  // with ratios, one per tile: where its row centres are kept
 
     static std::int64_t whole_lines(std::int64_t bytes) {
       constexpr auto line = static_cast<std::int64_t>(workspace_alignment);
@@ -421,10 +422,9 @@ class engine {
     std::int64_t first_row(std::size_t tile) const { return bounds[tile]; }
     std::int64_t rows(std::size_t tile) const { return bounds[tile + 1] - bounds[tile]; }
     bool kept(std::size_t tile) const { return !kept_at.empty() && kept_at[tile] != in_logit_block; }
-    // The tile whose logits the block holds after the first sweep: with ratios every tile
-    // passes through it, so the last.
+    // The tile whose logits the block holds after the first sweep (with ratios, where every
+    // tile passes through it, the last, which is never kept).
     std::size_t last_in_logit_block() const {
-      if (ratios) return count() - 1;
       std::size_t last = 0;
       for (std::size_t t = 0; t < count(); ++t)
         if (!kept(t)) last = t;
@@ -479,10 +479,9 @@ class engine {
       sweep.tile_statistics(keep_in.data && !as_ratios ? logits_kept_in(keep_in, slice, call, tile) : slice,
                             tile == 0, with_entropy, with_mean_logit);
       if constexpr (keeps_ratios) {
-        // The last tile's logits stay in the block for the second sweep's first step.
-        if (as_ratios && tiles.kept(tile) && tile + 1 < tiles.count())
+        if (as_ratios && tiles.kept(tile))
           backend_.keep_logit_ratios(matrix_view<const Compute>(slice.logits), ratios_kept_in(keep_in, slice, call, tile),
-                                     ratio_centres_of(keep_in, slice, call, tile));
+                                     ratio_centres_of(keep_in, call, tile));
       }
     });
     sweep.finish_tile_statistics(whole, with_entropy, with_mean_logit);
@@ -523,12 +522,10 @@ class engine {
                                                    call.vocab_tiles.kept_at[tile]);
     return {kept, slice.logits.rows, slice.logits.cols, slice.logits.cols};
   }
-  template <class Chunk_, class G>
-  static Compute* ratio_centres_of(const matrix_view<G>& grad_weight, const Chunk_& slice, const prepared_call& call,
-                                   std::size_t tile) {
-    const std::int64_t ratio_bytes = slice.logits.rows * slice.logits.cols * static_cast<std::int64_t>(sizeof(bfloat16));
-    return reinterpret_cast<Compute*>(reinterpret_cast<std::byte*>(grad_weight.data) + call.vocab_tiles.kept_at[tile] +
-                                      vocabulary_tiles::whole_lines(ratio_bytes));
+  template <class G>
+  static Compute* ratio_centres_of(const matrix_view<G>& grad_weight, const prepared_call& call, std::size_t tile) {
+    return reinterpret_cast<Compute*>(reinterpret_cast<std::byte*>(grad_weight.data) +
+                                      call.vocab_tiles.centres_at[tile]);
   }
 
   // gradient_by_vocabulary_tiles on the logits kept in grad_weight (soft-capped
@@ -556,7 +553,7 @@ class engine {
       } else if (t != in_block && tiles.ratios) {
         if constexpr (keeps_ratios)
           backend_.expand_logit_ratios(matrix_view<const bfloat16>(ratios_kept_in(grad_weight, slice, call, t)),
-                                       ratio_centres_of(grad_weight, slice, call, t), slice.logits);
+                                       ratio_centres_of(grad_weight, call, t), slice.logits);
       }
       backend_.logit_gradients(sweep.gradient_of_tile(args, slice));
       sweep.propagate_tile(slice, t + 1 == tiles.count(), sum, weight_gradient, grad_bias);
@@ -1363,16 +1360,20 @@ class engine {
       const std::int64_t rest = vocab_local - start;
       std::int64_t width = std::min(first, rest);
       std::int64_t kept_at = vocabulary_tiles::in_logit_block;
-      if (keeps && start > 0) {
+      // With ratios the last tile stays in the block (the second sweep starts from it).
+      if (keeps && start > 0 && !(tiles.ratios && rest <= first)) {
         const std::int64_t room =
             std::min(order.vocab_tile, (start * row_bytes - used - centre_bytes) / column_bytes);
         const std::int64_t whole = room / step * step;
         if (rest <= room || whole > 0) {
           width = rest <= room ? rest : whole;
           kept_at = used;
-          used += vocabulary_tiles::whole_lines(width * column_bytes) + centre_bytes;
+          used += vocabulary_tiles::whole_lines(width * column_bytes);
+          if (tiles.ratios) tiles.centres_at.push_back(used);
+          used += centre_bytes;
         }
       }
+      if (tiles.ratios && kept_at == vocabulary_tiles::in_logit_block) tiles.centres_at.push_back(kept_at);
       if (keeps) tiles.kept_at.push_back(kept_at);
       start += width;
       tiles.bounds.push_back(start);
