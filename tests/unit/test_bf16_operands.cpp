@@ -324,14 +324,15 @@ TEST_CASE("bf16 operands: the vocabulary order (all tokens at once, the vocabula
 // order's (1,024 columns here) and computed twice, and the block holds no
 // more than half a tile. At N = H, where a row holds half a logit column of
 // every token in fp32, the logits are kept as bf16 ratios to their row's
-// largest (a whole column a row): every tile's but the first two (the second's
-// row centres would take rows of the first's), computed again.
+// largest (a whole column a row, in tiles of 768 columns): every tile's but the
+// first two (the second's row centres would take rows of the first's), computed again.
 TEST_CASE("bf16 operands: a forward_backward keeps its logits in a bf16 grad_weight between its sweeps") {
   using T = lce::bfloat16;
   expect_gemms<T>([] { cases::overwrite::logits_kept_in_grad_weight<bf16_operands_env, T>(3); });
   cases::overwrite::logits_kept_in_grad_weight<cblas_bf16_operands_env, T>(3);
 
   const std::int64_t n = 48, v = 12001, tile = 1024;  // the host's min_efficient_vocabulary_tile
+  const std::int64_t ratio_tile = 768;                 // the ratios' tiles (kept_ratios_tile_columns)
   const auto logits_computed = [&](std::int64_t h, bool overwrite, std::size_t* held = nullptr) {
     const problem p = make_problem(n, h, v, 95, rounder_for<T>(), 1.0, 0.3, 0.1);
     const vector_buf<float> G(random_vector(n, 96, -1.0, 1.0, rounder_for<float>()));
@@ -364,7 +365,7 @@ TEST_CASE("bf16 operands: a forward_backward keeps its logits in a bf16 grad_wei
       CHECK((kept > n * v && kept <= n * (v + tile / 2)));
       CHECK(held < static_cast<std::size_t>(n * tile) * sizeof(float));
     } else {
-      CHECK((kept > n * v && kept <= n * (v + 2 * tile)));
+      CHECK((kept > n * v && kept <= n * (v + 2 * ratio_tile)));
     }
     CHECK(logits_computed(h, false) == 2 * n * v);
   }
@@ -454,6 +455,36 @@ TEST_CASE("bf16 operands: dX goes to the bf16 GEMM in tiles of at least 512 x 51
   loop_gemm(lce::transpose::no, lce::transpose::no, rows, cols, depth, 1.0f, dz.data(), depth, w.data(), cols, 0.0f,
             want.data(), cols);
   CHECK(dx == want);  // the same sums in the same order, tile by tile
+}
+
+// A logits GEMM that output_tiling leaves whole (a 768-column tile of the
+// logits kept as ratios, at N 768: tiles of at least 512 x 512) goes to the
+// provider in two halves of the tokens, so that two threads share it; from the
+// shapes alone, so one thread makes the same two calls (the same bits).
+TEST_CASE("bf16 operands: a logits GEMM of one tile is cut over the tokens in two") {
+  const std::int64_t tokens = 768, vocab_tile = 768, depth = 24;
+  const auto x_values = random_vector(tokens * depth, 9, -1, 1, rounder_for<lce::bfloat16>());
+  const auto w_values = random_vector(vocab_tile * depth, 10, -1, 1, rounder_for<lce::bfloat16>());
+  std::vector<lce::bfloat16> x(x_values.begin(), x_values.end()), w(w_values.begin(), w_values.end());
+  std::vector<float> out(static_cast<std::size_t>(tokens * vocab_tile), -1.0f), want(out.size());
+  for (const int threads : {1, 2}) {
+    CAPTURE(threads);
+    const loop_bf16_operand_gemm provider;
+    bf16_operand_host host(provider, threads);
+    host.logits(lce::matrix_view<const lce::bfloat16>{x.data(), tokens, depth},
+                lce::matrix_view<const lce::bfloat16>{w.data(), vocab_tile, depth}, 0.5f,
+                lce::matrix_view<float>{out.data(), tokens, vocab_tile}, nullptr);
+    const auto& shapes = provider.calls->bf16_shapes;
+    REQUIRE(shapes.size() == 2);
+    for (const auto& c : shapes) {
+      CHECK(c.m == tokens / 2);
+      CHECK(c.n == vocab_tile);
+      CHECK(c.k == depth);
+    }
+    loop_gemm(lce::transpose::no, lce::transpose::yes, tokens, vocab_tile, depth, 0.5f, x.data(), depth, w.data(),
+              depth, 0.0f, want.data(), vocab_tile);
+    CHECK(out == want);
+  }
 }
 
 TEST_CASE_TEMPLATE("lce::host_bf16_operands: forward, backward and forward_backward match the reference", T,

@@ -211,9 +211,16 @@ class basic_host {
       constexpr std::int64_t target = std::max<std::int64_t>(1, tile_target / 2);
       constexpr std::int64_t least = std::same_as<O, bfloat16> ? output_tiling::bf16_operand_floor : output_tiling::min_rows;
       const std::int64_t tile = vocab_tile_rows<compute_t<T>>(w.cols, w.rows);
-      const output_tiling tiles = detail::ceil_div(w.rows, tile) >= target
-                                      ? output_tiling::in_columns_of(x.rows, w.rows, tile)
-                                      : output_tiling(x.rows, w.rows, target, w.rows >= 2 * least ? x.rows : least, least);
+      output_tiling tiles = detail::ceil_div(w.rows, tile) >= target
+                                ? output_tiling::in_columns_of(x.rows, w.rows, tile)
+                                : output_tiling(x.rows, w.rows, target, w.rows >= 2 * least ? x.rows : least, least);
+      // One tile (a 768 x 768 GEMM: the logits of kept_ratios_plan's tiles at N 768) is
+      // cut over the tokens in two, or one thread runs it whole: through lce_torch (bf16,
+      // N 768, 2 threads, Zen 5) 768-column tiles took 0.25-0.27 s as one GEMM, 0.19 s in
+      // two. Two from the shapes alone, not one per thread, so that the bits do not
+      // depend on threads() with any provider.
+      if (!provider_parallel && tiles.count() == 1)
+        tiles = output_tiling(x.rows, w.rows, 2, output_tiling::min_rows, least);
       for_gemm_tiles(tiles.count(), [&](std::int64_t t) {
         const auto [r0, rows, c0, cols] = tiles.tile(t);
         operand_gemm(transpose::no, transpose::yes, rows, cols, x.cols, alpha, x.row(r0), x.ld, w.row(c0), w.ld, A(0),
