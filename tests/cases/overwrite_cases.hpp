@@ -66,6 +66,8 @@ void matches_reference(int threads = 0) {
 // nothing is kept there and the padding is left alone: a grad_weight of the
 // compute type then takes the token order's chunk of all the logits, as a
 // float call does at N = 2 H (its three GEMMs there beat three and a half).
+// A 2-byte grad_weight on the host keeps logits as bf16 ratios at N = H and,
+// those of some tiles, at N = 2 H and 4 H.
 template <class Env, class T>
 void logits_kept_in_grad_weight(int threads = 0) {
   using G = narrow_t<T>;
@@ -75,7 +77,14 @@ void logits_kept_in_grad_weight(int threads = 0) {
   // and then 4,096 columns.
   const std::int64_t at_limit = tokens * static_cast<std::int64_t>(sizeof(lce::compute_t<T>) / sizeof(G));
   constexpr bool inputs_of_compute_type = std::is_same_v<T, lce::compute_t<T>>;
-  for (const std::int64_t h : {at_limit / 2, at_limit, 2 * at_limit})
+  // A 2-byte grad_weight on a backend that keeps ratios (the host) keeps some of them up to N = 4 H
+  // (N = 2 H and 4 H here; elsewhere the vocabulary order, against the same reference).
+  std::vector<std::int64_t> widths{at_limit / 2, at_limit, 2 * at_limit};
+  if constexpr (sizeof(G) == 2) {
+    widths.push_back(at_limit / 4);
+    widths.push_back(at_limit / 8);
+  }
+  for (const std::int64_t h : widths)
     for (const auto& s : scalings)
       for (const bool padded : {false, true}) {
         CAPTURE(h);

@@ -326,6 +326,8 @@ TEST_CASE("bf16 operands: the vocabulary order (all tokens at once, the vocabula
 // every token in fp32, the logits are kept as bf16 ratios to their row's
 // largest (a whole column a row, in tiles of 768 columns): every tile's but the
 // first two (the second's row centres would take rows of the first's), computed again.
+// At N = 2 H and 4 H the tiles whose ratios the rows before them hold are kept,
+// the others computed again; past 4 H every logit is computed twice.
 TEST_CASE("bf16 operands: a forward_backward keeps its logits in a bf16 grad_weight between its sweeps") {
   using T = lce::bfloat16;
   expect_gemms<T>([] { cases::overwrite::logits_kept_in_grad_weight<bf16_operands_env, T>(3); });
@@ -353,7 +355,7 @@ TEST_CASE("bf16 operands: a forward_backward keeps its logits in a bf16 grad_wei
     if (held) *held = op.held_workspace_bytes();
     return shared_calls().logits_elements.load() - before;
   };
-  for (const std::int64_t h : {128, 96, 48}) {
+  for (const std::int64_t h : {128, 96, 48, 24, 12, 8}) {
     CAPTURE(h);
     std::size_t held = 0;
     const std::int64_t kept = logits_computed(h, true, &held);
@@ -364,14 +366,18 @@ TEST_CASE("bf16 operands: a forward_backward keeps its logits in a bf16 grad_wei
     } else if (h == 2 * n) {
       CHECK((kept > n * v && kept <= n * (v + tile / 2)));
       CHECK(held < static_cast<std::size_t>(n * tile) * sizeof(float));
-    } else {
+    } else if (h == n) {
       CHECK((kept > n * v && kept <= n * (v + 2 * ratio_tile)));
+    } else if (h * 4 >= n) {
+      CHECK((kept > n * v + 2 * ratio_tile && kept < 2 * n * v));  // some tiles kept, the others computed again
+    } else {
+      CHECK(kept == 2 * n * v);  // past N = 4 H: the vocabulary order, every logit twice
     }
     CHECK(logits_computed(h, false) == 2 * n * v);
   }
 }
 
-// Kept as bf16 ratios (N = H here), each logit comes back to 2^-8, the row's
+// Kept as bf16 ratios (N = H here, and some tiles' at N = 2 H), each logit comes back to 2^-8, the row's
 // largest exactly. A target whose p is near 1 (its logit log V + 4 above
 // the rest, give or take: 1 - p from about 0.5 down to 1e-3) has
 // dz = g (p - 1): were its p off by 2^-8 of itself, its token's dX (mostly
@@ -382,7 +388,7 @@ TEST_CASE("bf16 operands: a forward_backward keeps its logits in a bf16 grad_wei
 TEST_CASE("bf16 operands: logits kept as bf16 ratios: a target of p near 1 keeps the digits of 1 - p") {
   using T = lce::bfloat16;
   const std::int64_t n = 48, v = 12001;
-  for (const std::int64_t h : {48, 96}) {
+  for (const std::int64_t h : {24, 48, 96}) {
     CAPTURE(h);
     problem p = make_problem(n, h, v, 97, rounder_for<T>(), 1.0, 0.05, 0.0);
     const double peak = std::log(static_cast<double>(v)) + 4.0;

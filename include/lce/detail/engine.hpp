@@ -933,11 +933,21 @@ class engine {
   // straight from the backend's tiles), its rows contiguous and aligned for
   // the compute type, and a row of it holding half a logit column of every
   // token or more (N x sizeof(Compute) <= 2 H x sizeof(G): N <= 2 H in fp32,
-  // N <= H for a bf16 grad_weight). The tiles' [N, V_local] logits then take
-  // grad_weight's storage instead of being computed twice (see
-  // gradient_by_kept_logits): all of them where a row holds a whole column,
-  // else those of the tiles whose logits the rows before them hold
-  // (vocabulary_tiles_of).
+  // N <= H for a bf16 grad_weight), or kept as bf16 ratios (kept_ratios_plan)
+  // a quarter of a 2-byte column (N <= 4 H for a 2-byte grad_weight). The
+  // tiles' [N, V_local] logits then take grad_weight's storage instead of being
+  // computed twice (see gradient_by_kept_logits): all of them where a row holds
+  // a whole column, else those of the tiles whose logits the rows before them
+  // hold (vocabulary_tiles_of).
+  template <class G>
+  static std::int64_t kept_logits_reach(std::int64_t hidden) {
+    const std::int64_t row_bytes = hidden * static_cast<std::int64_t>(sizeof(G));
+    if constexpr (sizeof(G) < sizeof(Compute) && keeps_ratios)
+      return kept_ratios_reach * row_bytes / static_cast<std::int64_t>(sizeof(bfloat16));
+    else
+      return 2 * row_bytes / static_cast<std::int64_t>(sizeof(Compute));
+  }
+
   template <class GradWeight>
   bool logits_fit_grad_weight(call_kind kind, const GradWeight& grad_weight, std::int64_t n_tokens) const {
     if constexpr (std::same_as<GradWeight, no_weight_gradient_t>) {
@@ -950,8 +960,7 @@ class engine {
         return kind == call_kind::forward_backward && options_.overwrite_weight_gradients && comm_.size() == 1 &&
                n_tokens > 0 && grad_weight.ld == grad_weight.cols &&
                reinterpret_cast<std::uintptr_t>(grad_weight.data) % alignof(Compute) == 0 &&
-               n_tokens <= 2 * grad_weight.cols * static_cast<std::int64_t>(sizeof(G)) /
-                               static_cast<std::int64_t>(sizeof(Compute));
+               n_tokens <= kept_logits_reach<G>(grad_weight.cols);
       }
     }
   }
@@ -1256,9 +1265,9 @@ class engine {
 
   // kept_logits_plan where a 2-byte grad_weight's rows cannot hold the fp32
   // logits of the tiles after them (N > H / 2) but hold them in 2 bytes
-  // (N <= H): as bf16 ratios to each row's largest (keeps_logit_ratios),
-  // every tile through the logit block in the first sweep, all but the first
-  // kept, in tiles of `widest`. The second sweep takes the last tile's logits
+  // (N <= H; up to 4 H in part, below): as bf16 ratios to each row's largest
+  // (keeps_logit_ratios), every tile through the logit block in the first
+  // sweep, all but the first kept, in tiles of `widest`. The second sweep takes the last tile's logits
   // from the block, expands the others' there, and computes the first's
   // again (at N = H the second's too: its row centres would take rows the
   // first leaves). At V 32,000, N = H = 1,024, 30 tiles of 32 are kept, where
@@ -1270,6 +1279,15 @@ class engine {
   // 0.357 / 0.355 s, one; the same at N 1,024, and with warm memory); 512 columns
   // were 3-4% slower.
   static constexpr std::int64_t kept_ratios_tile_columns = 768;
+  // Past N = H a row holds less than a 2-byte column of every token: the tiles
+  // whose ratios the rows before them hold are kept, about H / N of them, the
+  // others computed again; still fewer logits GEMMs than the vocabulary order's
+  // two per tile, in a block of 768 columns, not 4,096. Through lce_torch (bf16,
+  // V 32,000, 2 threads, Zen 5) N 2,048 took 0.94x plain's time where the
+  // vocabulary order took 1.02x (15 MiB held, 20x less than plain, where it held
+  // 40 MiB, 7.7x), N 4,096 0.97x (1.03x); at N 8,192, an eighth kept, 1.02x
+  // against 0.99x, within a run's noise: the ratios stop at N = 4 H.
+  static constexpr std::int64_t kept_ratios_reach = 4;
 
   gradient_plan kept_ratios_plan(std::int64_t n_tokens, std::int64_t hidden, std::int64_t widest) const {
     widest = std::min(widest, kept_ratios_tile_columns);
