@@ -1267,10 +1267,10 @@ class engine {
   // logits of the tiles after them (N > H / 2) but hold them in 2 bytes
   // (N <= H; up to 4 H in part, below): as bf16 ratios to each row's largest
   // (keeps_logit_ratios), every tile through the logit block in the first
-  // sweep, all but the first kept, in tiles of `widest`. The second sweep takes the last tile's logits
-  // from the block, expands the others' there, and computes the first's
+  // sweep, all but the first kept. The second sweep takes the last tile's
+  // logits from the block, expands the others' there, and computes the first's
   // again (at N = H the second's too: its row centres would take rows the
-  // first leaves). At V 32,000, N = H = 1,024, 30 tiles of 32 are kept, where
+  // first leaves). At V 32,000, N = H = 1,024, 40 tiles of 42 are kept, where
   // fp32 logits left half of them to be computed again: a bf16 step through
   // lce_torch 8-10% faster at N 768 and 1,024 (Zen 5, 1 and 2 threads).
   // The tiles are kept_ratios_tile_columns wide: the block holds [N, 768] of
