@@ -509,8 +509,13 @@ class engine {
     return c;
   }
 
-  // Whether the backend can keep the vocabulary order's fp32 logits in 2 bytes (kept_ratios_plan).
-  static constexpr bool keeps_ratios = std::same_as<Compute, float> && keeps_logit_ratios<Backend>;
+  // Whether the backend can keep the vocabulary order's fp32 logits in 2 bytes (kept_ratios_plan),
+  // and may: only where dz goes to its GEMMs in bf16 (bf16 operands), whose rounding (2^-8 of
+  // each p) the ratios' does not exceed. With fp32 operands (fp16 inputs, or bf16 ones widened
+  // or split into two bf16 parts) dz keeps 16 bits or more, and dX and dW, rounded to fp16's
+  // 2^-11, would carry up to 2^-8 from the ratios.
+  static constexpr bool keeps_ratios =
+      std::same_as<Compute, float> && std::same_as<Operand, bfloat16> && keeps_logit_ratios<Backend>;
 
   // Where a tile's logits are kept as ratios (kept_ratios_plan): in the bytes
   // of grad_weight's rows before the tile's own, [N, tile columns] of bf16,
