@@ -131,7 +131,9 @@ concept overwrites_compute_weight_gradient =
 // them in fp32 (N > H / 2): keep_logit_ratios writes each row's
 // bf16(exp(z - c)) and its centre c (the row's largest), expand_logit_ratios
 // writes c + log of them back (see the host's keep_ratio_row). Without it
-// those tiles' logits are computed again in the second sweep.
+// those tiles' logits are computed again in the second sweep. Used only where
+// dz goes to the GEMMs in bf16 (gemm_operand_t bfloat16), whose rounding the
+// ratios' 2^-8 does not exceed.
 template <class B>
 concept keeps_logit_ratios = requires(B& b, matrix_view<const float> logits, matrix_view<bfloat16> ratios,
                                       matrix_view<const bfloat16> kept, float* centres, matrix_view<float> out) {
