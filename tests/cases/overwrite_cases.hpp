@@ -107,6 +107,64 @@ void logits_kept_in_grad_weight(int threads = 0) {
       }
 }
 
+// A forward_backward of several chunks in the token order that writes a
+// narrower grad_weight over holds its [V, H] dW sum in the compute type half
+// in grad_weight's own storage (all of it but a row's worth), half in scratch,
+// and rounds it into grad_weight at the end, in place (detail/engine.hpp:
+// accumulator_in_grad_weight_or): it holds that much less than the same call
+// without the overwrite. Chunks of 7 tokens, every scaling, grad_weight NaN
+// before, against the reference; the same bits on 1 and 3 threads. With
+// padded grad_weight rows (the storage is not free) it holds the whole sum,
+// against the same reference.
+template <class Env, class T>
+void dw_sum_in_grad_weight() {
+  using G = narrow_t<T>;
+  using C = lce::compute_t<T>;
+  static_assert(sizeof(G) < sizeof(C));
+  using vocabulary_order::tokens, vocabulary_order::vocab, vocabulary_order::hidden;
+  const std::vector<double> nan(static_cast<std::size_t>(vocab * hidden), std::numeric_limits<double>::quiet_NaN()),
+      zero(static_cast<std::size_t>(vocab * hidden), 0.0);
+  // The sum's rows grad_weight holds: its bytes in rows of the compute type, but one.
+  const std::size_t in_grad_weight =
+      static_cast<std::size_t>(vocab * static_cast<std::int64_t>(sizeof(G)) / static_cast<std::int64_t>(sizeof(C)) - 1) *
+      static_cast<std::size_t>(hidden) * sizeof(C);
+  for (const auto& s : scalings)
+    for (const bool padded : {false, true}) {
+      CAPTURE(s.tau);
+      CAPTURE(s.cap);
+      CAPTURE(padded);
+      const auto in = vocabulary_order::exercise_inputs_for<T>(s);
+      lce::options opt = make_options(s.tau, s.cap, 7);
+      const auto held_by = [&](bool overwrite) {
+        opt.overwrite_weight_gradients = overwrite;
+        auto op = Env::template make_op<T>(opt, 3);
+        const auto X = make_matrix<T>(in.p.x, tokens, hidden);
+        const auto W = make_matrix<T>(in.p.w, vocab, hidden);
+        const auto Y = make_targets<std::int64_t>(in.p.y);
+        const vector_buf<out_t<T>> Gv(in.g);
+        vector_buf<out_t<T>> lp(tokens);
+        matrix_buf<G> gh(tokens, hidden), gw(vocab, hidden, padded ? hidden + 3 : -1);
+        op.forward_backward(X.cview(), W.cview(), Y.cview(), Gv.cview(), lp.view(), gh.view(), gw.view());
+        return op.held_workspace_bytes();
+      };
+      const std::size_t whole_sum = held_by(false), split_sum = held_by(true);
+      CAPTURE(whole_sum);
+      CAPTURE(split_sum);
+      if (padded) CHECK(split_sum == whole_sum);
+      else CHECK(whole_sum - split_sum + lce::detail::workspace_alignment >= in_grad_weight);
+      opt.overwrite_weight_gradients = true;
+      layout padding;
+      if (padded) padding.gw_ld = hidden + 3;
+      auto op = Env::template make_op<T>(opt, 3);
+      const auto out = exercise<T, G>(op, in.p, in.g, in.hg, nan, padding);
+      check_against_reference(out, in.p, in.g, in.hg, zero, Env::template gradient_operand_unit<T>,
+                              Env::template gradient_operand_floor<T>);
+      auto one_thread = Env::template make_op<T>(opt, 1);
+      const auto diff = exercise<T, G>(one_thread, in.p, in.g, in.hg, nan, padding).bitwise_diff(out);
+      CHECK_MESSAGE(diff.empty(), "1 vs 3 threads: " << diff);
+    }
+}
+
 // grad_bias too, and a call with no tokens: both gradients become zero.
 template <class Env, class T>
 void bias_and_empty_calls() {

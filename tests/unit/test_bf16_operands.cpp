@@ -378,6 +378,72 @@ TEST_CASE("bf16 operands: a forward_backward keeps its logits in a bf16 grad_wei
   }
 }
 
+// A long forward_backward (N far past the hidden size: no logits kept) that
+// writes its bf16 grad_weight over takes the token order's three GEMMs, its
+// fp32 dW sum half in grad_weight's storage (overwrite_cases.hpp checks that
+// against the reference), over the vocabulary order's four, where the rest of
+// the sum and its chunks hold at most a tenth of the call's fp32 logits and
+// the budget (detail/engine.hpp: accumulator_in_grad_weight_plan): each logit
+// computed once, N x V, where without the overwrite the vocabulary order
+// computes them twice. Under a budget of 12 MiB here (N 3,072, H 8, V 9,000:
+// the vocabulary order's 4,096-column tile in slices holds less than the token
+// order's chunks and whole sum). The outputs are the vocabulary order's.
+TEST_CASE("bf16 operands: a long forward_backward takes three GEMMs, its dW sum in part in grad_weight") {
+  using T = lce::bfloat16;
+  constexpr std::int64_t n = 3072, h = 8, v = 9000;
+  constexpr std::size_t budget = std::size_t{12} << 20;
+  const problem p = make_problem(n, h, v, 85, rounder_for<T>(), 1.0, 0.3, 0.1);
+  const vector_buf<float> G(random_vector(n, 86, -1.0, 1.0, rounder_for<float>()));
+  const auto X = make_matrix<T>(p.x, n, h);
+  const auto W = make_matrix<T>(p.w, v, h);
+  const auto Y = make_targets<std::int64_t>(p.y);
+  struct result {
+    std::int64_t logits;
+    std::size_t held;
+    vector_buf<float> lp;
+    matrix_buf<T> gh, gw;
+  };
+  const auto run = [&](bool overwrite) {
+    auto opt = make_options(1.0f, 0.0f);
+    opt.overwrite_weight_gradients = overwrite;
+    opt.workspace_limit_bytes = budget;
+    auto op = bf16_operands_env::make_op<T>(opt, 2);
+    result r{0, 0, vector_buf<float>(n), matrix_buf<T>(n, h), matrix_buf<T>(v, h)};
+    r.gw.fill(overwrite ? lce::bfloat16(std::numeric_limits<float>::quiet_NaN()) : lce::bfloat16(0.0f));
+    const std::int64_t before = shared_calls().logits_elements.load();
+    op.forward_backward(X.cview(), W.cview(), Y.cview(), G.cview(), r.lp.view(), r.gh.view(), r.gw.view());
+    r.logits = shared_calls().logits_elements.load() - before;
+    r.held = op.held_workspace_bytes();
+    CHECK(op.workspace_bytes(n, h, v) >= r.held);
+    return r;
+  };
+  const result split = run(true), vocabulary_order = run(false);
+  CHECK(split.logits == n * v);
+  CHECK(vocabulary_order.logits == 2 * n * v);
+  CAPTURE(split.held);
+  CHECK(split.held <= std::min(budget, static_cast<std::size_t>(n * v) * sizeof(float) / 10));
+  CHECK(split.held >= static_cast<std::size_t>(v / 2 * h) * sizeof(float));
+  // The same sums in another order: within the outputs' rounding (dW and dX in bf16).
+  double worst_lp = 0, worst_gh = 0, worst_gw = 0, largest_gw = 0;
+  std::int64_t nan = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    worst_lp = std::max(worst_lp, std::fabs(split.lp.get(i) - vocabulary_order.lp.get(i)));
+    for (std::int64_t k = 0; k < h; ++k)
+      worst_gh = std::max(worst_gh, std::fabs(split.gh.get(i, k) - vocabulary_order.gh.get(i, k)) /
+                                        std::max(1e-3, std::fabs(vocabulary_order.gh.get(i, k))));
+  }
+  for (std::int64_t j = 0; j < v; ++j)
+    for (std::int64_t k = 0; k < h; ++k) {
+      nan += std::isnan(split.gw.get(j, k));
+      largest_gw = std::max(largest_gw, std::fabs(vocabulary_order.gw.get(j, k)));
+      worst_gw = std::max(worst_gw, std::fabs(split.gw.get(j, k) - vocabulary_order.gw.get(j, k)));
+    }
+  CHECK(nan == 0);
+  CHECK(worst_lp < 1e-4);
+  CHECK(worst_gh < 3 * 0x1p-8);
+  CHECK(worst_gw <= 3 * 0x1p-8 * largest_gw);
+}
+
 // The worst of each token's dX and of its target's dW row against the reference in double,
 // relative to that row's largest element, for targets whose p is near 1 (n = 48, V = 12,001,
 // hidden h), from a forward_backward over grad_weight on make(options).

@@ -23,3 +23,8 @@ TEST_CASE_TEMPLATE("overwrite_weight_gradients: a forward_backward keeps its log
                    T, float, double, lce::bfloat16, lce::float16) {
   cases::overwrite::logits_kept_in_grad_weight<host_env, T>(3);
 }
+
+TEST_CASE_TEMPLATE("overwrite_weight_gradients: a forward_backward of several chunks holds its dW sum in part in "
+                   "grad_weight", T, lce::bfloat16, lce::float16, double) {
+  cases::overwrite::dw_sum_in_grad_weight<host_env, T>();
+}

@@ -111,6 +111,9 @@ struct chunk {
 template <class Compute, class GradWeight>
 struct weight_gradient_sink {
   matrix_view<Compute> accumulator;
+  // Where set, the accumulator's rows after accumulator.rows (the token order's dW sum held in
+  // part in grad_weight's storage): each chunk's dW in two GEMMs, the first chunk's with beta 0.
+  matrix_view<Compute> accumulator_rest;
   matrix_view<GradWeight> grad_weight;
   bool into_grad_weight = false;
   Compute* tile_scratch = nullptr;
@@ -527,6 +530,18 @@ class chunk_sweep {
   template <class Index, class GradWeight>
   void add_weight_gradient(const chunk<T, Compute, Operand, Index>& c, const matrix_view<const Operand>& dz,
                            Compute alpha, const weight_gradient_sink<Compute, GradWeight>& sink) {
+    if constexpr (!std::same_as<GradWeight, Compute> &&
+                  overwrites_compute_weight_gradient<Backend, Operand, Compute>) {
+      if (sink.accumulator_rest.data) {
+        const Compute beta = c.ordinal == 0 ? Compute(0) : Compute(1);
+        const std::int64_t front = sink.accumulator.rows, rest = sink.accumulator_rest.rows;
+        grad_weight(matrix_view<const Operand>{dz.data, dz.rows, front, dz.ld}, c.hidden, alpha, sink.accumulator,
+                    beta);
+        grad_weight(matrix_view<const Operand>{dz.data + front, dz.rows, rest, dz.ld}, c.hidden, alpha,
+                    sink.accumulator_rest, beta);
+        return;
+      }
+    }
     if constexpr (adds_weight_gradient_tiles<Backend, Operand, Compute, GradWeight>) {
       if (sink.into_grad_weight) {
         if constexpr (overwrites_weight_gradient<Backend, Operand, Compute, GradWeight>) {
