@@ -1649,9 +1649,11 @@ class engine {
     } else if (call.accumulator_in_grad_weight) {
       // Written by the first chunk, so not zeroed; rounded into grad_weight at the end.
       const std::int64_t front = accumulator_rows_in_grad_weight<GradWeight>(grad_weight.rows), h = grad_weight.cols;
-      return {.accumulator = {reinterpret_cast<Compute*>(grad_weight.data) + h, front, h, h},
-              .accumulator_rest = {call.weight_gradient_scratch, grad_weight.rows - front, h, h},
-              .grad_weight = grad_weight};
+      weight_gradient_sink<Compute, GradWeight> sink;
+      sink.accumulator = {reinterpret_cast<Compute*>(grad_weight.data) + h, front, h, h};
+      sink.accumulator_rest = {call.weight_gradient_scratch, grad_weight.rows - front, h, h};
+      sink.grad_weight = grad_weight;
+      return sink;
     } else if (call.vocab_tile > 0) {
       // One vocabulary tile's dW at a time, overwritten by its first slice, added into grad_weight by its last.
       return {.accumulator = {call.weight_gradient_scratch, call.vocab_tile, grad_weight.cols, grad_weight.cols},

@@ -111,15 +111,15 @@ struct chunk {
 template <class Compute, class GradWeight>
 struct weight_gradient_sink {
   matrix_view<Compute> accumulator;
-  // Where set, the accumulator's rows after accumulator.rows (the token order's dW sum held in
-  // part in grad_weight's storage): each chunk's dW in two GEMMs, the first chunk's with beta 0.
-  matrix_view<Compute> accumulator_rest;
   matrix_view<GradWeight> grad_weight;
   bool into_grad_weight = false;
   Compute* tile_scratch = nullptr;
   bool fused = false;
   // The backend writes grad_weight's rows instead of adding into them (overwrites_weight_gradient).
   bool overwrite = false;
+  // Where set, the accumulator's rows after accumulator.rows (the token order's dW sum held in
+  // part in grad_weight's storage): each chunk's dW in two GEMMs, the first chunk's with beta 0.
+  matrix_view<Compute> accumulator_rest{};
 };
 
 template <communicator Comm, storage_type T, class Backend>
