@@ -1428,10 +1428,10 @@ class engine {
   template <class G>
   gradient_plan accumulator_in_grad_weight_or(const gradient_plan& base, std::int64_t n_tokens, std::int64_t hidden,
                                               std::int64_t vocab_local, std::int64_t set_size) const {
-    // The token order's chunks already: the same chunks, half the sum in grad_weight.
+    // The token order's chunks already: the same chunks, half the sum in grad_weight (whose
+    // rows the caller checked: accumulator_fits_grad_weight).
     if (base.vocab_tile == 0) {
-      if (base.tiles_into_grad_weight || set_size != 0 || accumulator_rows_in_grad_weight<G>(vocab_local) < 1)
-        return base;
+      if (base.tiles_into_grad_weight || set_size != 0) return base;
       gradient_plan split = base;
       split.accumulator_in_grad_weight = true;
       return split;
