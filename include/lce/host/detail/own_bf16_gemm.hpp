@@ -79,6 +79,10 @@
 #include <new>
 #include <optional>
 
+
+
+
+
 LCE_BEGIN_NAMESPACE
 namespace detail {
 
@@ -293,6 +297,13 @@ LCE_BF16_KERNEL_TARGET inline void pack_b_tile(const strided& b, std::int64_t k,
   for (int p = 0; p < 16; ++p) _mm512_storeu_si512(out + p * 32, v[p]);
 }
 
+// How many C blocks ahead gemm asks for the lines of a C it reads. The next block's lines
+// came too late for a shallow block: dW of a chunk of 228 tokens (k 228, fp32 C read and
+// written, V 32,000 x H 1,024) ran 354 GFLOP/s on a Zen 5 core and 704 on two, 415 / 815
+// three blocks ahead (398 / 757 at two, 401 / 781 at four, 368 / 716 at six), 441 / 851
+// with C not read at all.
+inline constexpr std::int64_t c_blocks_ahead = 3;
+
 // How many tiles ahead the packing asks for the lines it reads (see gemm).
 inline constexpr std::int64_t packed_ahead = 8;
 
@@ -446,9 +457,13 @@ LCE_BF16_KERNEL_TARGET inline void multiply_steps(const a_tiles& a, const u16* b
 }
 
 // A run of `steps` steps of A's 32-row block against packed B's steps from `first_step` on.
+// `last_pairs`: the pairs (k, k + 1) of its last step that hold any k < K, where the depth
+// block ends in a ragged step. AVX512-BF16 stops there (the rest are zeros in both
+// operands); AMX tiles always take the whole step.
 struct a_run {
   a_tiles a;
   std::int64_t first_step, steps;
+  int last_pairs = 16;
 };
 
 // C's 32 x 32 block `to` (rows ld_to floats apart) = `from` (or zero where null) plus the
@@ -468,6 +483,37 @@ LCE_BF16_KERNEL_TARGET inline void block_product_on_tiles(const a_run* runs, int
     multiply_steps(runs[r].a, b0 + runs[r].first_step * tile_elements, b1 + runs[r].first_step * tile_elements,
                    runs[r].steps);
   store_c_tiles(to, ld_to);
+}
+
+// The first `pairs` pairs (Pairs where > 0) of step s of run `in` into rows row0 .. row0 +
+// Rows - 1 of the block's accumulators (see rows_product_on_vectors): whole steps (Pairs =
+// 16) fully unrolled; a ragged last step loops over its pairs, so that a depth of 228 (dW of a
+// chunk of 228 tokens) runs 114 pairs, not the 128 of 8 whole steps.
+template <int Rows, int Pairs>
+__attribute__((always_inline)) LCE_BF16_KERNEL_TARGET inline void add_pairs(const a_run& in, std::int64_t s, int pairs,
+                                                                            const u16* b0, const u16* b1, int row0,
+                                                                            __m512 (&left)[Rows], __m512 (&right)[Rows]) {
+  const u16* const bl = b0 + (in.first_step + s) * tile_elements;
+  const u16* const br = b1 + (in.first_step + s) * tile_elements;
+  const char* a_row[Rows];
+#pragma GCC unroll 16
+  for (int r = 0; r < Rows; ++r)
+    a_row[r] = reinterpret_cast<const char*>(in.a.half[(row0 + r) / 16] + s * in.a.advance) +
+               ((row0 + r) % 16) * in.a.stride;
+  if constexpr (Pairs > 0) pairs = Pairs;
+#pragma GCC unroll 16
+  for (int pair = 0; pair < pairs; ++pair) {
+    const __m512bh vl = (__m512bh)_mm512_load_si512(bl + 32 * pair);
+    const __m512bh vr = (__m512bh)_mm512_load_si512(br + 32 * pair);
+#pragma GCC unroll 16
+    for (int r = 0; r < Rows; ++r) {
+      std::int32_t both;
+      std::memcpy(&both, a_row[r] + 4 * pair, sizeof both);
+      const __m512bh va = (__m512bh)_mm512_set1_epi32(both);
+      left[r] = _mm512_dpbf16_ps(left[r], va, vl);
+      right[r] = _mm512_dpbf16_ps(right[r], va, vr);
+    }
+  }
 }
 
 // Rows row0 .. row0 + Rows - 1 of the block on AVX512-BF16: each VDPBF16PS adds, for 16
@@ -493,28 +539,9 @@ __attribute__((noinline)) LCE_BF16_KERNEL_TARGET void rows_product_on_vectors(
   }
   for (int run = 0; run < count; ++run) {
     const a_run& in = runs[run];
-    for (std::int64_t s = 0; s < in.steps; ++s) {
-      const u16* const bl = b0 + (in.first_step + s) * tile_elements;
-      const u16* const br = b1 + (in.first_step + s) * tile_elements;
-      const char* a_row[Rows];
-#pragma GCC unroll 16
-      for (int r = 0; r < Rows; ++r)
-        a_row[r] = reinterpret_cast<const char*>(in.a.half[(row0 + r) / 16] + s * in.a.advance) +
-                   ((row0 + r) % 16) * in.a.stride;
-#pragma GCC unroll 16
-      for (int pair = 0; pair < 16; ++pair) {
-        const __m512bh vl = (__m512bh)_mm512_load_si512(bl + 32 * pair);
-        const __m512bh vr = (__m512bh)_mm512_load_si512(br + 32 * pair);
-#pragma GCC unroll 16
-        for (int r = 0; r < Rows; ++r) {
-          std::int32_t both;
-          std::memcpy(&both, a_row[r] + 4 * pair, sizeof both);
-          const __m512bh va = (__m512bh)_mm512_set1_epi32(both);
-          left[r] = _mm512_dpbf16_ps(left[r], va, vl);
-          right[r] = _mm512_dpbf16_ps(right[r], va, vr);
-        }
-      }
-    }
+    const std::int64_t whole = in.last_pairs < 16 ? in.steps - 1 : in.steps;
+    for (std::int64_t s = 0; s < whole; ++s) add_pairs<Rows, 16>(in, s, 16, b0, b1, row0, left, right);
+    if (whole < in.steps) add_pairs<Rows, 0>(in, whole, in.last_pairs, b0, b1, row0, left, right);
   }
 #pragma GCC unroll 16
   for (int r = 0; r < Rows; ++r) {
@@ -713,6 +740,8 @@ LCE_BF16_KERNEL_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int
     for (std::int64_t k0 = 0; k0 < k; k0 += cut.depth) {
       const std::int64_t kb = std::min(cut.depth, k - k0);
       const std::int64_t steps = (kb + step - 1) / step, full_steps = kb / step;
+      // The pairs of the last step that hold any k (16 where the block ends on a whole step).
+      const int last_pairs = full_steps < steps ? static_cast<int>((kb - full_steps * step + 1) / 2) : 16;
       const bool first = k0 == 0;
       const bool reads_c = !first || beta != 0.0f;
       // Along memory: each row of B (the rows of a column-contiguous B, else its columns) in one pass.
@@ -761,12 +790,12 @@ LCE_BF16_KERNEL_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int
         const a_tiles packed_lo{{a_lo_half[0], a_lo_half[1]}, tile_elements, 64};
         for (std::int64_t p = 0; p < these_panels; ++p) {
           const std::int64_t col = n0 + p * 32;
-          // The next block's C, where it is read: from memory (dW's C is 4 MiB) it held the
-          // multiplier up at the start of every block (dW of 512 tokens added into a bf16 C:
-          // 102 ms without, 79 ms with, on a Zen 5 core).
+          // The C block c_blocks_ahead on, where C is read: from memory (dW's C is 4 MiB) it
+          // held the multiplier up at the start of every block (dW of 512 tokens added into a
+          // bf16 C: 102 ms without, 79 ms with the next block's, on a Zen 5 core).
           if (reads_c) {
-            const bool same_rows = p + 1 < these_panels;
-            const std::int64_t next_m0 = same_rows ? m0 : m0 + 32, next_col = same_rows ? col + 32 : n0;
+            const std::int64_t ahead = p + c_blocks_ahead;
+            const std::int64_t next_m0 = m0 + 32 * (ahead / these_panels), next_col = n0 + 32 * (ahead % these_panels);
             if (next_m0 < m)
               prefetch_block(c + next_m0 * ldc + next_col, std::min<std::int64_t>(32, m - next_m0),
                              std::min<std::int64_t>(32, n - next_col), ldc);
@@ -782,10 +811,10 @@ LCE_BF16_KERNEL_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int
           int count = 0;
           if (direct) {
             runs[count++] = {in_place, 0, full_steps};
-            if (full_steps < steps) runs[count++] = {packed, full_steps, 1};  // from a_half, advance 0
+            if (full_steps < steps) runs[count++] = {packed, full_steps, 1, last_pairs};  // from a_half, advance 0
           } else {
-            runs[count++] = {packed, 0, steps};
-            if constexpr (split) runs[count++] = {packed_lo, 0, steps};
+            runs[count++] = {packed, 0, steps, last_pairs};
+            if constexpr (split) runs[count++] = {packed_lo, 0, steps, last_pairs};
           }
           float* const sum_to = c_in_place ? reinterpret_cast<float*>(c_block) : block;
           const std::int64_t sum_ld = c_in_place ? ldc : 32;
