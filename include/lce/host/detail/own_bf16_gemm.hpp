@@ -299,9 +299,9 @@ LCE_BF16_KERNEL_TARGET inline void pack_b_tile(const strided& b, std::int64_t k,
 
 // How many C blocks ahead gemm asks for the lines of a C it reads. The next block's lines
 // came too late for a shallow block: dW of a chunk of 228 tokens (k 228, fp32 C read and
-// written, V 32,000 x H 1,024) ran 354 GFLOP/s on a Zen 5 core and 704 on two, 415 / 815
-// three blocks ahead (398 / 757 at two, 401 / 781 at four, 368 / 716 at six), 441 / 851
-// with C not read at all.
+// written, V 32,000 x H 1,024) ran 354 GFLOP/s on a Zen 5 core and 704 on two, 410-420 /
+// 810-817 three blocks ahead (with a_run::last_pairs; where C was added at the end of each
+// block, 398-401 / 757-781 two to four ahead, 368 / 716 six), 441 / 851 with C not read.
 inline constexpr std::int64_t c_blocks_ahead = 3;
 
 // How many tiles ahead the packing asks for the lines it reads (see gemm).
