@@ -79,10 +79,6 @@
 #include <new>
 #include <optional>
 
-
-
-
-
 LCE_BEGIN_NAMESPACE
 namespace detail {
 
