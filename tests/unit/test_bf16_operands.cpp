@@ -444,6 +444,84 @@ TEST_CASE("bf16 operands: a long forward_backward takes three GEMMs, its dW sum 
   CHECK(worst_gw <= 3 * 0x1p-8 * largest_gw);
 }
 
+// Where the whole dW sum does not fit a tenth of the call's fp32 logits and the budget, the
+// token order holds the part of it that grad_weight's storage and the rest of the limit do,
+// and a second sweep makes the dW of the shard's last rows, every token at once, their
+// logits computed again (detail/engine.hpp: tail_sweep_plan): fewer logits than the
+// vocabulary order's 2 N V. Under a budget of 5.3 MiB here (N 2,304, H 16, V 7,000; chunks of
+// 192 tokens, 3,499 sum rows in grad_weight, some 2,000 in scratch). Every row term's
+// gradient (log-probs, entropy, lse, mean logit; the entropy's row term is kept from the
+// first sweep for the second), a temperature and a soft-cap, grad_weight NaN before: against
+// the materialised reference in long double; the same bits on 1 and 2 threads; through the
+// counting provider and lce's own (lce::host_bf16_operands).
+TEST_CASE("bf16 operands: a long forward_backward sums most of dW in the token order and sweeps its tail again") {
+  using T = lce::bfloat16;
+  constexpr std::int64_t n = 2304, h = 16, v = 7000;
+  constexpr std::size_t budget = std::size_t{5427} << 10;  // 5.3 MiB
+  problem p = make_problem(n, h, v, 87, rounder_for<T>(), 1.0, 0.3, 0.1);
+  p.tau = 0.8f;
+  p.cap = 4.0f;
+  const forward_result ref = reference_forward(p);
+  const std::vector<double> g = random_vector(n, 88, -1, 1, rounder_for<float>());
+  const std::vector<double> hg = random_vector(n, 89, -0.5, 0.5, rounder_for<float>());
+  const std::vector<double> q = random_vector(n, 90, 0.0, 0.3, rounder_for<float>());
+  const std::vector<double> m = random_vector(n, 91, -0.3, 0.0, rounder_for<float>());
+  const gradients want = reference_with_terms(p, ref, g, hg, q, m);
+  const auto X = make_matrix<T>(p.x, n, h);
+  const auto W = make_matrix<T>(p.w, v, h);
+  const auto Y = make_targets<std::int64_t>(p.y);
+  const vector_buf<float> G(g), HG(hg), Q(q), M(m);
+  struct result {
+    vector_buf<float> lp, lse, ent, ml;
+    matrix_buf<T> gh, gw;
+    std::size_t held = 0;
+  };
+  const auto run = [&](auto env, int threads) {
+    auto opt = make_options(p.tau, p.cap);
+    opt.overwrite_weight_gradients = true;
+    opt.workspace_limit_bytes = budget;
+    auto op = decltype(env)::template make_op<T>(opt, threads);
+    result r{vector_buf<float>(n), vector_buf<float>(n), vector_buf<float>(n), vector_buf<float>(n),
+             matrix_buf<T>(n, h), matrix_buf<T>(v, h)};
+    r.gw.fill(lce::bfloat16(std::numeric_limits<float>::quiet_NaN()));
+    op.forward_backward(X.cview(), W.cview(), Y.cview(),
+                        lce::row_gradients<float>{G.cview(), HG.cview(), Q.cview(), M.cview()},
+                        lce::row_outputs<float>{r.lp.view(), r.lse.view(), r.ent.view(), r.ml.view()}, r.gh.view(),
+                        r.gw.view());
+    r.held = op.held_workspace_bytes();
+    CHECK(op.workspace_bytes(n, h, v) >= r.held);
+    return r;
+  };
+  const auto check = [&](const result& r) {
+    CAPTURE(r.held);
+    check_row_outputs(p, ref, r.lp, r.lse, r.ent, r.ml, base_tol<T>() * 10);
+    // dz rounded once to bf16 for the GEMMs (2^-8), dX and dW rounded to bf16 (2^-9).
+    LCE_CHECK_CMP(compare_gradient("dX", r.gh, want.dx, 3 * 0x1p-8));
+    LCE_CHECK_CMP(compare_gradient("dW", r.gw, want.dw, 3 * 0x1p-8));
+    std::int64_t nan = 0;
+    for (std::int64_t j = 0; j < v; ++j)
+      for (std::int64_t k = 0; k < h; ++k) nan += std::isnan(r.gw.get(j, k));
+    CHECK(nan == 0);
+  };
+  const std::int64_t before = shared_calls().logits_elements.load();
+  const result counted = run(bf16_operands_env{}, 2);
+  const std::int64_t logits = shared_calls().logits_elements.load() - before;
+  CAPTURE(logits);
+  // The chunks' N V, then N of every tail column: more than 512 columns, fewer than half.
+  CHECK(logits > n * v + n * 512);
+  CHECK(logits < n * v + n * (v / 2));
+  check(counted);
+  const result one_thread = run(bf16_operands_env{}, 1);
+  // Within the limit with one thread's dW tiles (a provider that does not round into bf16 has a
+  // tile per thread, on top, as the vocabulary order's: the plan never depends on the threads).
+  CAPTURE(one_thread.held);
+  CHECK(one_thread.held <= std::min(budget, static_cast<std::size_t>(n * v) * sizeof(float) / 10));
+  CHECK(one_thread.gw.bytes() == counted.gw.bytes());
+  CHECK(one_thread.gh.bytes() == counted.gh.bytes());
+  CHECK(one_thread.lp.bytes() == counted.lp.bytes());
+  check(run(cblas_bf16_operands_env{}, 2));
+}
+
 // The worst of each token's dX and of its target's dW row against the reference in double,
 // relative to that row's largest element, for targets whose p is near 1 (n = 48, V = 12,001,
 // hidden h), from a forward_backward over grad_weight on make(options).

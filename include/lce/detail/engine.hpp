@@ -213,10 +213,13 @@ class engine {
       // A forward_backward that writes grad_weight over may hold its dW sum in part there instead.
       if constexpr (backend_holds_accumulator_in<NarrowGradWeight>) {
         if (options_.overwrite_weight_gradients && comm_.size() == 1 && !total.overflow) {
-          if (const auto split = accumulator_in_grad_weight_plan<NarrowGradWeight>(n_tokens, hidden, vocab_local,
-                                                                                   set_size)) {
-            const checked_size held = checked_size(std::max(sweep, split->plan.bytes)) +
-                                      weight_gradient_scratch_bytes<NarrowGradWeight>(*split, hidden, vocab_local);
+          for (const auto& split : {accumulator_in_grad_weight_plan<NarrowGradWeight>(n_tokens, hidden, vocab_local,
+                                                                                      set_size),
+                                    tail_sweep_plan<NarrowGradWeight>(n_tokens, hidden, vocab_local, set_size)}) {
+            if (!split) continue;
+            const checked_size held =
+                checked_size(std::max({sweep, split->plan.bytes, split->tail_plan.bytes})) +
+                weight_gradient_scratch_bytes<NarrowGradWeight>(*split, hidden, vocab_local);
             if (!held.overflow && held.value > total.value) total = held;
           }
         }
@@ -333,6 +336,9 @@ class engine {
       sweep.propagate(c, grad_hidden, weight_gradient, grad_bias);
     });
     end_weight_gradient(weight_gradient, grad_weight);
+    if constexpr (!std::same_as<GradWeight, Compute> && backend_holds_accumulator_in<GradWeight>) {
+      if (call.tail_rows > 0) tail_gradient(in, call, grads, grad_weight);
+    }
   }
 
   // ---- forward_backward ----------------------------------------------------
@@ -402,6 +408,7 @@ class engine {
       begin_target_set(sweep, c, grads);
       sweep.forward_statistics(c, with_entropy, keep_exp, out.has_mean_logit);
       scatter_outputs(sweep, c, out);
+      if (call.tail_rows > 0) keep_first_sweep_rows(sweep, c, call, grads.has_entropy);
       auto args = gather_given(sweep, c, grads);
       args.exp_row_max = keep_exp ? c.partials : nullptr;
       if (grads.has_entropy) args.mean_centred_logit = c.row(row_mean_centred);
@@ -409,6 +416,9 @@ class engine {
       sweep.propagate(c, grad_hidden, weight_gradient, grad_bias);
     });
     end_weight_gradient(weight_gradient, grad_weight);
+    if constexpr (!std::same_as<GradWeight, Compute> && backend_holds_accumulator_in<GradWeight>) {
+      if (call.tail_rows > 0) tail_gradient(in, call, grads, grad_weight);
+    }
   }
 
  private:
@@ -459,8 +469,15 @@ class engine {
     std::int64_t first_vocab_tile = 0;
     // The vocabulary order's tiles (vocabulary_tiles_of).
     vocabulary_tiles vocab_tiles;
-    // The token order's dW sum in part in grad_weight's storage (accumulator_in_grad_weight_or).
+    // The token order's dW sum in part in grad_weight's storage (accumulator_in_grad_weight_or),
+    // and the tail its second sweep takes (gradient_plan's tail_*).
     bool accumulator_in_grad_weight = false;
+    std::int64_t tail_rows = 0;
+    std::int64_t tail_tile = 0;
+    workspace_plan<Compute> tail_plan{};
+    // With a tail: each token's lse (and with an entropy gradient its mean-centred logit) from the
+    // first sweep, for the second (in the dW scratch, after the sum's rest).
+    Compute* first_sweep_rows = nullptr;
     std::int64_t vocab = 0;                 // the whole vocabulary V
 
     bool keeps_logits_in_grad_weight() const { return first_vocab_tile > 0; }
@@ -599,6 +616,49 @@ class engine {
     if constexpr (!std::same_as<GradHidden, Compute>) backend_.copy(matrix_view<const Compute>(sum), grad_hidden);
   }
 
+
+  // ---- the tail of a dW sum held in grad_weight (tail_sweep_plan) ---------------
+
+  // A chunk's rows that the tail sweep reads: its lse, and its mean-centred logit with an entropy gradient.
+  template <class Chunk_>
+  void keep_first_sweep_rows(sweep_type& sweep, const Chunk_& c, const prepared_call& call, bool with_entropy) {
+    const std::int64_t n = c.local_tokens;
+    sweep.scatter_rows(c, row_lse, vector_view<Compute>{call.first_sweep_rows, n});
+    if (with_entropy) sweep.scatter_rows(c, row_mean_centred, vector_view<Compute>{call.first_sweep_rows + n, n});
+  }
+
+  // The tail's dW, once the sum is rounded out of grad_weight's storage: every token at once, the
+  // tail's vocabulary tiles in turn, each tile's logits computed again, its dz made from the first
+  // sweep's rows and the given gradients, its dW written over its rows of grad_weight.
+  template <class Index, class GradLogprobs, class GradEntropy, class GradLse, class GradMeanLogit, class G>
+  void tail_gradient(const operator_inputs<T, Index>& in, const prepared_call& call,
+                     const row_gradient_views<GradLogprobs, GradEntropy, GradLse, GradMeanLogit>& grads,
+                     const matrix_view<G>& grad_weight) {
+    sweep_type tail(comm_, backend_, options_, call.tail_plan, call.workspace, call.vocab);
+    const std::int64_t n = in.tokens(), vocab_local = in.weight.rows;
+    weight_gradient_sink<Compute, G> sink;
+    sink.grad_weight = grad_weight;
+    sink.into_grad_weight = true;
+    sink.overwrite = true;
+    if (weight_gradient_tile_elements<G>(in.hidden.cols, call.tail_tile, n) > 0)
+      sink.tile_scratch = call.first_sweep_rows + first_sweep_rows_bytes(n).value / sizeof(Compute);
+    tail.run(in, [&](const auto& whole) {
+      auto args = gather_given(tail, whole, grads);
+      backend_.copy(vector_view<const Compute>{call.first_sweep_rows, n}, vector_view<Compute>{whole.row(row_lse), n});
+      if (grads.has_entropy) {
+        backend_.copy(vector_view<const Compute>{call.first_sweep_rows + n, n},
+                      vector_view<Compute>{whole.row(row_mean_centred), n});
+        args.mean_centred_logit = whole.row(row_mean_centred);
+      }
+      for (std::int64_t first = vocab_local - call.tail_rows; first < vocab_local; first += call.tail_tile) {
+        const auto tile = tail.vocabulary_tile(whole, first, std::min(call.tail_tile, vocab_local - first));
+        const auto slice = tail.token_slice(tile, 0, n);
+        tail.recompute_logits(slice);
+        backend_.logit_gradients(tail.gradient_of_tile(args, slice));
+        tail.weight_gradient_of_tile(slice, sink);
+      }
+    });
+  }
 
   // ---- the optional per-token vectors ------------------------------------------
 
@@ -815,6 +875,13 @@ class engine {
             call.weight_gradient_scratch = static_cast<Compute*>(weight_gradient_.reserve(
                 backend_, dw_bytes.value,
                 call.tiles_into_grad_weight ? "grad_weight (fp32 tiles of it)" : "grad_weight (its fp32 accumulator)"));
+          if (call.tail_rows > 0) {
+            const std::int64_t rest = in.weight.rows - accumulator_rows_in_grad_weight<G>(in.weight.rows) - call.tail_rows;
+            call.first_sweep_rows =
+                call.weight_gradient_scratch +
+                align_up(checked_size::of(rest) * checked_size::of(in.hidden.cols) * sizeof(Compute)).value /
+                    sizeof(Compute);
+          }
         } else {
           take_plan<Compute>(call, direct_plan_for<GradWeight>(kind, in.tokens(), in.hidden.cols, in.weight.rows,
                                                                in.set_size,
@@ -1087,6 +1154,11 @@ class engine {
     // The token order, its [V_local, H] dW sum in part in grad_weight's storage
     // (accumulator_in_grad_weight_or).
     bool accumulator_in_grad_weight = false;
+    // With it, > 0: the sum leaves out the shard's last tail_rows rows, whose dW a second sweep
+    // makes (tail_sweep_plan): every token at once, tail_tile of them at a time, in tail_plan.
+    std::int64_t tail_rows = 0;
+    std::int64_t tail_tile = 0;
+    workspace_plan<Compute> tail_plan{};
   };
 
   // The plan of a call that writes a grad_weight of element G (not the
@@ -1436,7 +1508,93 @@ class engine {
       split.accumulator_in_grad_weight = true;
       return split;
     }
-    return accumulator_in_grad_weight_plan<G>(n_tokens, hidden, vocab_local, set_size).value_or(base);
+    if (auto whole_sum = accumulator_in_grad_weight_plan<G>(n_tokens, hidden, vocab_local, set_size))
+      return *whole_sum;
+    const auto tail = tail_sweep_plan<G>(n_tokens, hidden, vocab_local, set_size);
+    if (tail && recomputed_logit_columns<G>(*tail, n_tokens, hidden, vocab_local) + vocab_local / tail_margin <
+                    recomputed_logit_columns<G>(base, n_tokens, hidden, vocab_local))
+      return *tail;
+    return base;
+  }
+
+  // Where the whole sum does not fit the limit, the token order may still hold the part of it that
+  // grad_weight's storage and the rest of the limit do: the sum leaves out the shard's last rows,
+  // whose dW a second sweep makes, every token at once, their logits computed again, once the
+  // sum is rounded out of the storage (tail_gradient). Its chunks are of the backend's
+  // min_efficient_chunk_rows, so that the limit leaves the most for the sum, and the tail's tiles
+  // as wide as the chunks' block holds, at most vocabulary_tile_min_columns. Taken over the
+  // vocabulary order (with or without logits kept) where it computes tail_margin-ths of the
+  // logits fewer again: 3 + tail / V GEMMs (about 3.5 at N 4,096, H 1,024, V 32,000 and a tenth
+  // of the logits' memory) against 3 + H / N (3.75) or 4.
+  static constexpr std::int64_t tail_margin = 16;
+  static constexpr std::int64_t tail_least_columns = 512;
+
+  template <class G>
+  std::optional<gradient_plan> tail_sweep_plan(std::int64_t n_tokens, std::int64_t hidden, std::int64_t vocab_local,
+                                               std::int64_t set_size) const {
+    if constexpr (std::same_as<G, Compute> || !backend_holds_accumulator_in<G>) {
+      return std::nullopt;
+    } else {
+      constexpr std::int64_t least = min_efficient_chunk_rows<Backend>();
+      const bool budget_decides = !fixed_chunk_policy<Chunk> && options_.chunk_tokens <= 0;
+      const std::int64_t front = accumulator_rows_in_grad_weight<G>(vocab_local);
+      if (!budget_decides || set_size != 0 || least == INT64_MAX || n_tokens < 2 * least || front < 1 ||
+          vocab_local - front <= tail_least_columns)
+        return std::nullopt;
+      const checked_size logits = checked_size::of(n_tokens) * checked_size::of(vocab_local) * sizeof(Compute);
+      if (logits.overflow) return std::nullopt;
+      const std::size_t limit =
+          std::min(options_.workspace_limit_bytes, logits.value / static_cast<std::size_t>(materialised_share));
+      gradient_plan split;
+      split.accumulator_in_grad_weight = true;
+      split.plan = workspace_plan<Compute>::make(shape_of(hidden, vocab_local), ceil_div(n_tokens, n_tokens / least));
+      const auto tail_shape = [&](std::int64_t columns) {
+        auto shape = shape_of(hidden, columns);
+        shape.stages_grad_hidden = false;
+        return shape;
+      };
+      const auto narrowest = workspace_plan<Compute>::make(tail_shape(line_elements), n_tokens);
+      if (narrowest.bytes > split.plan.bytes) return std::nullopt;
+      const auto column_bytes = static_cast<std::size_t>(n_tokens) *
+                                (sizeof(Compute) + tail_shape(line_elements).gradient_operand_bytes);
+      const std::int64_t widest = std::min<std::int64_t>(
+          vocabulary_tile_min_columns,
+          line_elements + static_cast<std::int64_t>((split.plan.bytes - narrowest.bytes) / column_bytes) /
+                              line_elements * line_elements);
+      if (widest < tail_least_columns) return std::nullopt;
+      const checked_size fixed = checked_size(split.plan.bytes) + first_sweep_rows_bytes(n_tokens) +
+                                 align_up(checked_size::of(static_cast<std::int64_t>(
+                                              weight_gradient_tile_elements<G>(hidden, widest, n_tokens))) *
+                                          sizeof(Compute));
+      const std::size_t row_bytes = static_cast<std::size_t>(hidden) * sizeof(Compute);
+      if (fixed.overflow || fixed.value + workspace_alignment + row_bytes > limit) return std::nullopt;
+      const auto rest = std::min<std::int64_t>(static_cast<std::int64_t>((limit - fixed.value - workspace_alignment) / row_bytes),
+                                               vocab_local - front - tail_least_columns);
+      split.tail_rows = vocab_local - front - rest;
+      const std::int64_t tiles = ceil_div(split.tail_rows, widest);
+      split.tail_tile = ceil_div(ceil_div(split.tail_rows, tiles), line_elements) * line_elements;
+      split.tail_plan = workspace_plan<Compute>::make(tail_shape(split.tail_tile), n_tokens);
+      const checked_size held = checked_size(std::max(split.plan.bytes, split.tail_plan.bytes)) +
+                                weight_gradient_scratch_bytes<G>(split, hidden, vocab_local, /*slots=*/1);
+      if (held.overflow || held.value > limit) return std::nullopt;
+      return split;
+    }
+  }
+
+  // The logit columns a forward_backward in `order` computes twice: the vocabulary order's tiles
+  // not kept in grad_weight (all without kept logits, but the one the block still holds), or a
+  // tail (tail_sweep_plan).
+  template <class G>
+  static std::int64_t recomputed_logit_columns(const gradient_plan& order, std::int64_t n_tokens, std::int64_t hidden,
+                                               std::int64_t vocab_local) {
+    if (order.vocab_tile == 0) return order.tail_rows;
+    if (order.first_vocab_tile == 0) return vocab_local;
+    const auto tiles = vocabulary_tiles_of<G>(order, n_tokens, hidden, vocab_local);
+    const std::size_t in_block = tiles.last_in_logit_block();
+    std::int64_t columns = 0;
+    for (std::size_t t = 0; t < tiles.count(); ++t)
+      if (t != in_block && !tiles.kept(t)) columns += tiles.rows(t);
+    return columns;
   }
 
   // That order's plan, where the call would take it over the vocabulary order's.
@@ -1471,8 +1629,11 @@ class engine {
     call.vocab_tile = order.vocab_tile;
     call.first_vocab_tile = order.first_vocab_tile;
     call.accumulator_in_grad_weight = order.accumulator_in_grad_weight;
+    call.tail_rows = order.tail_rows;
+    call.tail_tile = order.tail_tile;
+    call.tail_plan = order.tail_plan;
     call.vocab_tiles = vocabulary_tiles_of<G>(order, in.tokens(), in.hidden.cols, in.weight.rows);
-    call.workspace = workspace_.reserve(backend_, call.plan.bytes, "workspace");
+    call.workspace = workspace_.reserve(backend_, std::max(call.plan.bytes, call.tail_plan.bytes), "workspace");
   }
 
   // The vocabulary order's tiles of `order`: of order.vocab_tile columns, or
@@ -1593,13 +1754,29 @@ class engine {
     // Whole cache lines, as the plan's blocks: a caller's buffer of workspace_bytes then holds
     // the two blocks in either order (see cuda/detail/caller_workspace.hpp).
     if (gradient.vocab_tile > 0) vocab_local = gradient.vocab_tile;
-    if (gradient.accumulator_in_grad_weight) vocab_local -= accumulator_rows_in_grad_weight<G>(vocab_local);
+    if (gradient.accumulator_in_grad_weight) {
+      const std::int64_t rest = vocab_local - accumulator_rows_in_grad_weight<G>(vocab_local) - gradient.tail_rows;
+      const checked_size sum = align_up(checked_size::of(rest) * checked_size::of(hidden) * sizeof(Compute));
+      if (gradient.tail_rows == 0) return sum;
+      return sum + first_sweep_rows_bytes(gradient.tail_plan.chunk) +
+             align_up(checked_size::of(static_cast<std::int64_t>(weight_gradient_tile_elements<G>(
+                          hidden, gradient.tail_tile, gradient.tail_plan.chunk))) *
+                      (slots > 0 ? static_cast<std::size_t>(slots) : weight_gradient_tile_slots<G>()) *
+                      sizeof(Compute));
+    }
     if (gradient.tiles_into_grad_weight)
       return align_up(checked_size::of(static_cast<std::int64_t>(
                           weight_gradient_tile_elements<G>(hidden, vocab_local, gradient.plan.block_rows))) *
                       (slots > 0 ? static_cast<std::size_t>(slots) : weight_gradient_tile_slots<G>()) *
                       sizeof(Compute));
     return align_up(checked_size::of(vocab_local) * checked_size::of(hidden) * sizeof(Compute));
+  }
+
+  // The rows a call with a tail keeps from its first sweep for the second: lse, and the
+  // mean-centred logit (an entropy gradient's row term).
+  static constexpr std::int64_t first_sweep_row_arrays = 2;
+  static checked_size first_sweep_rows_bytes(std::int64_t n_tokens) {
+    return align_up(checked_size::of(n_tokens) * checked_size(first_sweep_row_arrays * sizeof(Compute)));
   }
 
   // Where dW goes: grad_weight itself when it has the compute type; else
@@ -1648,10 +1825,11 @@ class engine {
               .tile_scratch = call.weight_gradient_scratch};
     } else if (call.accumulator_in_grad_weight) {
       // Written by the first chunk, so not zeroed; rounded into grad_weight at the end.
+      // A tail's rows are the second sweep's (tail_gradient): the sum's rest may have none.
       const std::int64_t front = accumulator_rows_in_grad_weight<GradWeight>(grad_weight.rows), h = grad_weight.cols;
       weight_gradient_sink<Compute, GradWeight> sink;
       sink.accumulator = {reinterpret_cast<Compute*>(grad_weight.data) + h, front, h, h};
-      sink.accumulator_rest = {call.weight_gradient_scratch, grad_weight.rows - front, h, h};
+      sink.accumulator_rest = {call.weight_gradient_scratch, grad_weight.rows - front - call.tail_rows, h, h};
       sink.grad_weight = grad_weight;
       return sink;
     } else if (call.vocab_tile > 0) {
@@ -1695,8 +1873,9 @@ class engine {
       b = std::min(narrow_per_wide * (a + 1), front);
       backend_.copy(matrix_view<const Compute>(sink.accumulator.rows_slice(a, b - a)), grad_weight.rows_slice(a, b - a));
     }
-    backend_.copy(matrix_view<const Compute>(sink.accumulator_rest),
-                  grad_weight.rows_slice(front, sink.accumulator_rest.rows));
+    if (sink.accumulator_rest.rows > 0)
+      backend_.copy(matrix_view<const Compute>(sink.accumulator_rest),
+                    grad_weight.rows_slice(front, sink.accumulator_rest.rows));
   }
 
   // A call with no tokens writes no gradient, except over grad_weight and grad_bias when asked

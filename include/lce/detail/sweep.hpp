@@ -372,6 +372,20 @@ class chunk_sweep {
     }
   }
 
+  // A slice's dW alone, written over (or added into) its tile's rows of grad_weight through the
+  // backend's tiles: the engine's tail sweep, whose dX and db the first sweep made.
+  template <class Index, class GradWeight>
+  void weight_gradient_of_tile(const chunk<T, Compute, Operand, Index>& slice,
+                               const weight_gradient_sink<Compute, GradWeight>& weight_gradient) {
+    if constexpr (adds_weight_gradient_tiles<Backend, Operand, Compute, GradWeight>) {
+      auto tile_sink = weight_gradient;
+      tile_sink.grad_weight = weight_gradient.grad_weight.rows_slice(slice.vocab_first, slice.logits.cols);
+      add_weight_gradient(slice, dz_of(slice), scaling_.temperature_scale, tile_sink);
+    } else {
+      static_assert(sizeof(GradWeight) == 0, "a tail sweep needs adds_weight_gradient_tiles");
+    }
+  }
+
   // The chunk's target set as the set passes take it (stand-ins into c.targets'
   // buffer, this rank's logits at the ids into set_logits).
   template <class Index>
@@ -537,8 +551,9 @@ class chunk_sweep {
         const std::int64_t front = sink.accumulator.rows, rest = sink.accumulator_rest.rows;
         grad_weight(matrix_view<const Operand>{dz.data, dz.rows, front, dz.ld}, c.hidden, alpha, sink.accumulator,
                     beta);
-        grad_weight(matrix_view<const Operand>{dz.data + front, dz.rows, rest, dz.ld}, c.hidden, alpha,
-                    sink.accumulator_rest, beta);
+        if (rest > 0)
+          grad_weight(matrix_view<const Operand>{dz.data + front, dz.rows, rest, dz.ld}, c.hidden, alpha,
+                      sink.accumulator_rest, beta);
         return;
       }
     }

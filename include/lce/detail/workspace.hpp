@@ -65,6 +65,7 @@ struct workspace_shape {
   std::int64_t set_size = 0;              // K ids per row (a target-set call), else 0
   std::int64_t block_rows = 0;            // > 0: the logit block holds this many of the chunk's rows at a
                                           // time (the vocabulary order's token slices), else all of them
+  bool stages_grad_hidden = true;         // false: a sweep that writes no dX (the engine's tail sweep)
 };
 
 // Per-chunk arrays of one value per row, in compute type.
@@ -167,7 +168,7 @@ struct workspace_plan {
     plan.hidden_stage = take(shape.widen_hidden ? c * h * shape.operand_bytes : none);
     plan.hidden_gather = take(sp ? c * h * shape.storage_bytes : none);
     plan.hidden_send = take(sp ? c_local * h * shape.storage_bytes : none);
-    plan.grad_hidden_stage = take(c * h * a);
+    plan.grad_hidden_stage = take(shape.stages_grad_hidden ? c * h * a : none);
     plan.grad_hidden_local = take(sp ? c_local * h * a : none);
     plan.weight_block = take(checked_size::of(shape.weight_block_elements) * a);
     const bool sets = shape.set_size > 0;
