@@ -1041,15 +1041,27 @@ class engine {
 
   template <class GradWeight>
   bool logits_fit_grad_weight(call_kind kind, const GradWeight& grad_weight, std::int64_t n_tokens) const {
+    return grad_weight_storage_serves<storage_use::kept_logits>(kind, grad_weight, n_tokens);
+  }
+
+  // What a forward_backward may keep in a grad_weight's free storage, where the backend can:
+  // the vocabulary order's logits (logits_fit_grad_weight) or the token order's dW sum
+  // (accumulator_fits_grad_weight).
+  enum class storage_use { kept_logits, dw_sum };
+  template <storage_use Use, class GradWeight>
+  bool grad_weight_storage_serves(call_kind kind, const GradWeight& grad_weight, std::int64_t n_tokens) const {
     if constexpr (std::same_as<GradWeight, no_weight_gradient_t>) {
       return false;
     } else {
       using G = element_of<GradWeight>;
-      if constexpr (!backend_keeps_logits_in<G>) {
+      constexpr bool backend_can =
+          Use == storage_use::kept_logits ? backend_keeps_logits_in<G> : backend_holds_accumulator_in<G>;
+      if constexpr (!backend_can) {
         return false;
       } else {
-        return grad_weight_storage_free(kind, grad_weight, n_tokens) &&
-               n_tokens <= kept_logits_reach<G>(grad_weight.cols);
+        if (!grad_weight_storage_free(kind, grad_weight, n_tokens)) return false;
+        if constexpr (Use == storage_use::kept_logits) return n_tokens <= kept_logits_reach<G>(grad_weight.cols);
+        else return accumulator_rows_in_grad_weight<G>(grad_weight.rows) > 0;
       }
     }
   }
@@ -1070,17 +1082,7 @@ class engine {
   // and that keeps logits in such a grad_weight (its storage as the compute type).
   template <class GradWeight>
   bool accumulator_fits_grad_weight(call_kind kind, const GradWeight& grad_weight, std::int64_t n_tokens) const {
-    if constexpr (std::same_as<GradWeight, no_weight_gradient_t>) {
-      return false;
-    } else {
-      using G = element_of<GradWeight>;
-      if constexpr (!backend_holds_accumulator_in<G>) {
-        return false;
-      } else {
-        return grad_weight_storage_free(kind, grad_weight, n_tokens) &&
-               accumulator_rows_in_grad_weight<G>(grad_weight.rows) > 0;
-      }
-    }
+    return grad_weight_storage_serves<storage_use::dw_sum>(kind, grad_weight, n_tokens);
   }
 
   // The rows of the dW sum that a narrower grad_weight of vocab_local rows holds in the compute
