@@ -520,6 +520,53 @@ TEST_CASE("bf16 operands: a long forward_backward sums most of dW in the token o
   CHECK(one_thread.gh.bytes() == counted.gh.bytes());
   CHECK(one_thread.lp.bytes() == counted.lp.bytes());
   check(run(cblas_bf16_operands_env{}, 2));
+
+  // With a bias: the reference is the same call with one more hidden column, 1 for every
+  // token, whose weight column is the bias (the bias joins the raw logit); its dW column is db.
+  problem with_ones = p;
+  with_ones.h = h + 1;
+  with_ones.x.assign(static_cast<std::size_t>(n * (h + 1)), 1.0);
+  with_ones.w.assign(static_cast<std::size_t>(v * (h + 1)), 0.0);
+  const std::vector<double> b = random_vector(v, 92, -0.5, 0.5, rounder_for<T>());
+  for (std::int64_t i = 0; i < n; ++i)
+    for (std::int64_t k = 0; k < h; ++k)
+      with_ones.x[static_cast<std::size_t>(i * (h + 1) + k)] = p.x[static_cast<std::size_t>(i * h + k)];
+  for (std::int64_t j = 0; j < v; ++j) {
+    for (std::int64_t k = 0; k < h; ++k)
+      with_ones.w[static_cast<std::size_t>(j * (h + 1) + k)] = p.w[static_cast<std::size_t>(j * h + k)];
+    with_ones.w[static_cast<std::size_t>(j * (h + 1) + h)] = b[static_cast<std::size_t>(j)];
+  }
+  const forward_result ref_b = reference_forward(with_ones);
+  const gradients want_b = reference_with_terms(with_ones, ref_b, g, hg, q, m);
+  const auto columns = [&](const std::vector<double>& wide, std::int64_t rows, std::int64_t first, std::int64_t count) {
+    std::vector<double> out;
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t k = first; k < first + count; ++k) out.push_back(wide[static_cast<std::size_t>(r * (h + 1) + k)]);
+    return out;
+  };
+  std::vector<T> bias(static_cast<std::size_t>(v));
+  for (std::int64_t j = 0; j < v; ++j) bias[static_cast<std::size_t>(j)] = to_elem<T>(b[static_cast<std::size_t>(j)]);
+  auto opt = make_options(p.tau, p.cap);
+  opt.overwrite_weight_gradients = true;
+  opt.workspace_limit_bytes = budget;
+  auto op = bf16_operands_env::make_op<T>(opt, 2);
+  vector_buf<float> lp(n), lse(n), ent(n), ml(n);
+  matrix_buf<T> gh(n, h), gw(v, h);
+  matrix_buf<float> gb(v, 1);
+  gw.fill(lce::bfloat16(std::numeric_limits<float>::quiet_NaN()));
+  gb.fill(std::numeric_limits<float>::quiet_NaN());
+  const std::int64_t before_bias = shared_calls().logits_elements.load();
+  op.forward_backward(X.cview(), lce::with_bias{W.cview(), lce::vector_view<const T>{bias.data(), v}}, Y.cview(),
+                      lce::row_gradients<float>{G.cview(), HG.cview(), Q.cview(), M.cview()},
+                      lce::row_outputs<float>{lp.view(), lse.view(), ent.view(), ml.view()}, gh.view(),
+                      lce::with_bias{gw.view(), lce::vector_view<float>{gb.ptr(), v}});
+  const std::int64_t logits_b = shared_calls().logits_elements.load() - before_bias;
+  CAPTURE(logits_b);
+  CHECK(logits_b > n * v + n * 512);
+  check_row_outputs(with_ones, ref_b, lp, lse, ent, ml, base_tol<T>() * 10);
+  LCE_CHECK_CMP(compare_gradient("dX with a bias", gh, columns(want_b.dx, n, 0, h), 3 * 0x1p-8));
+  LCE_CHECK_CMP(compare_gradient("dW with a bias", gw, columns(want_b.dw, v, 0, h), 3 * 0x1p-8));
+  LCE_CHECK_CMP(compare_gradient("db", gb, columns(want_b.dw, v, h, 1), 3 * 0x1p-8));
 }
 
 // The worst of each token's dX and of its target's dW row against the reference in double,
