@@ -336,9 +336,6 @@ class engine {
       sweep.propagate(c, grad_hidden, weight_gradient, grad_bias);
     });
     end_weight_gradient(weight_gradient, grad_weight);
-    if constexpr (!std::same_as<GradWeight, Compute> && backend_holds_accumulator_in<GradWeight>) {
-      if (call.tail_rows > 0) tail_gradient(in, call, grads, grad_weight);
-    }
   }
 
   // ---- forward_backward ----------------------------------------------------
@@ -475,9 +472,11 @@ class engine {
     std::int64_t tail_rows = 0;
     std::int64_t tail_tile = 0;
     workspace_plan<Compute> tail_plan{};
-    // With a tail: each token's lse (and with an entropy gradient its mean-centred logit) from the
-    // first sweep, for the second (in the dW scratch, after the sum's rest).
+    // With a tail, in the dW scratch after the sum's rest: each token's lse (and with an entropy
+    // gradient its mean-centred logit) from the first sweep, for the second; then the backend's
+    // dW tiles of the tail's GEMMs (null where it rounds them into grad_weight itself).
     Compute* first_sweep_rows = nullptr;
+    Compute* tail_tile_scratch = nullptr;
     std::int64_t vocab = 0;                 // the whole vocabulary V
 
     bool keeps_logits_in_grad_weight() const { return first_vocab_tile > 0; }
@@ -640,8 +639,7 @@ class engine {
     sink.grad_weight = grad_weight;
     sink.into_grad_weight = true;
     sink.overwrite = true;
-    if (weight_gradient_tile_elements<G>(in.hidden.cols, call.tail_tile, n) > 0)
-      sink.tile_scratch = call.first_sweep_rows + first_sweep_rows_bytes(n).value / sizeof(Compute);
+    sink.tile_scratch = call.tail_tile_scratch;
     tail.run(in, [&](const auto& whole) {
       auto args = gather_given(tail, whole, grads);
       backend_.copy(vector_view<const Compute>{call.first_sweep_rows, n}, vector_view<Compute>{whole.row(row_lse), n});
@@ -876,11 +874,11 @@ class engine {
                 backend_, dw_bytes.value,
                 call.tiles_into_grad_weight ? "grad_weight (fp32 tiles of it)" : "grad_weight (its fp32 accumulator)"));
           if (call.tail_rows > 0) {
-            const std::int64_t rest = in.weight.rows - accumulator_rows_in_grad_weight<G>(in.weight.rows) - call.tail_rows;
-            call.first_sweep_rows =
-                call.weight_gradient_scratch +
-                align_up(checked_size::of(rest) * checked_size::of(in.hidden.cols) * sizeof(Compute)).value /
-                    sizeof(Compute);
+            call.first_sweep_rows = call.weight_gradient_scratch +
+                                    sum_rest_bytes<G>(gradient, in.hidden.cols, in.weight.rows).value / sizeof(Compute);
+            if (weight_gradient_tile_elements<G>(in.hidden.cols, call.tail_tile, in.tokens()) > 0)
+              call.tail_tile_scratch =
+                  call.first_sweep_rows + first_sweep_rows_bytes(in.tokens()).value / sizeof(Compute);
           }
         } else {
           take_plan<Compute>(call, direct_plan_for<GradWeight>(kind, in.tokens(), in.hidden.cols, in.weight.rows,
@@ -1555,10 +1553,11 @@ class engine {
         shape.stages_grad_hidden = false;
         return shape;
       };
-      const auto narrowest = workspace_plan<Compute>::make(tail_shape(line_elements), n_tokens);
+      const auto narrowest_shape = tail_shape(line_elements);
+      const auto narrowest = workspace_plan<Compute>::make(narrowest_shape, n_tokens);
       if (narrowest.bytes > split.plan.bytes) return std::nullopt;
-      const auto column_bytes = static_cast<std::size_t>(n_tokens) *
-                                (sizeof(Compute) + tail_shape(line_elements).gradient_operand_bytes);
+      const auto column_bytes =
+          static_cast<std::size_t>(n_tokens) * (sizeof(Compute) + narrowest_shape.gradient_operand_bytes);
       const std::int64_t widest = std::min<std::int64_t>(
           vocabulary_tile_min_columns,
           line_elements + static_cast<std::int64_t>((split.plan.bytes - narrowest.bytes) / column_bytes) /
@@ -1757,8 +1756,7 @@ class engine {
     // the two blocks in either order (see cuda/detail/caller_workspace.hpp).
     if (gradient.vocab_tile > 0) vocab_local = gradient.vocab_tile;
     if (gradient.accumulator_in_grad_weight) {
-      const std::int64_t rest = vocab_local - accumulator_rows_in_grad_weight<G>(vocab_local) - gradient.tail_rows;
-      const checked_size sum = align_up(checked_size::of(rest) * checked_size::of(hidden) * sizeof(Compute));
+      const checked_size sum = sum_rest_bytes<G>(gradient, hidden, vocab_local);
       if (gradient.tail_rows == 0) return sum;
       return sum + first_sweep_rows_bytes(gradient.tail_plan.chunk) +
              align_up(checked_size::of(static_cast<std::int64_t>(weight_gradient_tile_elements<G>(
@@ -1772,6 +1770,14 @@ class engine {
                       (slots > 0 ? static_cast<std::size_t>(slots) : weight_gradient_tile_slots<G>()) *
                       sizeof(Compute));
     return align_up(checked_size::of(vocab_local) * checked_size::of(hidden) * sizeof(Compute));
+  }
+
+  // The bytes, in whole lines, of the token order's dW sum rows that grad_weight's storage does not
+  // hold (accumulator_in_grad_weight), but the tail's (tail_sweep_plan): the scratch's first rows.
+  template <class G>
+  static checked_size sum_rest_bytes(const gradient_plan& gradient, std::int64_t hidden, std::int64_t vocab_local) {
+    const std::int64_t rows = vocab_local - accumulator_rows_in_grad_weight<G>(vocab_local) - gradient.tail_rows;
+    return align_up(checked_size::of(rows) * checked_size::of(hidden) * sizeof(Compute));
   }
 
   // The rows a call with a tail keeps from its first sweep for the second: lse, and the
