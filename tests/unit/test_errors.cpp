@@ -120,6 +120,15 @@ TEST_CASE_TEMPLATE("errors: bad input raises lce::error and writes nothing", T, 
     f.opt.softcap = -2.5f;
     f.expect_error(all, {{"softcap"}, {"-2.5"}});
   }
+  // Subnormal: > 0, but the reciprocal that scales the logits overflows (NaN logits).
+  SUBCASE("subnormal temperature") {
+    f.opt.temperature = std::numeric_limits<float>::denorm_min();
+    f.expect_error(all, {{"temperature"}, {"normal float"}, {"1.4013e-45"}});
+  }
+  SUBCASE("subnormal softcap") {
+    f.opt.softcap = std::numeric_limits<float>::denorm_min();
+    f.expect_error(all, {{"softcap"}, {"normal float"}, {"1.4013e-45"}});
+  }
   SUBCASE("negative chunk_tokens") {
     f.opt.chunk_tokens = -3;
     f.expect_error(all, {{"chunk_tokens"}, {"-3"}});

@@ -19,10 +19,12 @@ LCE_BEGIN_NAMESPACE
 namespace detail {
 
 inline void check_options(const options& opt) {
-  expects(std::isfinite(opt.temperature) && opt.temperature > 0.0f,
-          "temperature must be finite and > 0, got ", opt.temperature);
-  expects(std::isfinite(opt.softcap) && opt.softcap >= 0.0f,
-          "softcap must be finite and >= 0 (0 disables it), got ", opt.softcap);
+  // A subnormal temperature or soft-cap passes "> 0" but its reciprocal, which scales the
+  // logits, overflows: NaN logits, or a soft-cap silently off where it rounds to 0 first.
+  expects(std::isnormal(opt.temperature) && opt.temperature > 0.0f,
+          "temperature must be finite, > 0 and a normal float, got ", opt.temperature);
+  expects(opt.softcap == 0.0f || (std::isnormal(opt.softcap) && opt.softcap > 0.0f),
+          "softcap must be 0 (none) or finite, > 0 and a normal float, got ", opt.softcap);
   expects(opt.chunk_tokens >= 0, "chunk_tokens must be >= 0 (0 lets the chunk policy decide), got ",
           opt.chunk_tokens);
   expects(opt.vocab_start >= 0, "vocab_start must be >= 0, got ", opt.vocab_start);

@@ -72,6 +72,7 @@ struct packed_tokens {
 namespace loss_detail {
 
 using detail::expects;
+using detail::fail;
 
 template <class T>
 using bare = std::remove_cvref_t<T>;
@@ -126,9 +127,13 @@ LCE_HOST_DEVICE inline double sigmoid(double x) {
 
 // --- argument checks (host) ---------------------------------------------------
 
-inline void check_size(const char* name, std::int64_t size, std::int64_t want, const char* what, bool optional) {
-  expects(size == want || (optional && size == 0), name, ": size ", size, " does not match ", what, " (", want,
-          ")", optional ? " and is not 0 (absent)" : "");
+// `needed_by`: what makes an input that may otherwise be absent required (an option),
+// named where it is absent.
+inline void check_size(const char* name, std::int64_t size, std::int64_t want, const char* what, bool optional,
+                       const char* needed_by = nullptr) {
+  if (size == want || (optional && size == 0)) return;
+  if (size == 0 && needed_by) fail(name, ": absent (size 0), but ", needed_by, " needs it: size ", want, " (", what, ")");
+  fail(name, ": size ", size, " does not match ", what, " (", want, ")", optional ? " and is not 0 (absent)" : "");
 }
 
 inline void check_finite(const char* name, double value) {

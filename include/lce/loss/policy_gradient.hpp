@@ -217,11 +217,11 @@ pg_result policy_gradient_loss(Policy&& exec, const packed_tokens<I, C>& batch, 
              opt.sequence_advantages ? "the number of sequences (sequence_advantages)" : "logprobs", false);
   expects(in.advantages.size == 0 || in.advantages.data, "advantages: null data for ", in.advantages.size, " entries");
   check_size("old_logprobs", in.old_logprobs.size, n, "logprobs", true);
-  check_size("ref_logprobs", in.ref_logprobs.size, n, "logprobs", opt.kl_coef == 0);
-  check_size("generation_logprobs", in.generation_logprobs.size, n, "logprobs", opt.tis_cap == 0);
-  check_size("entropy", in.entropy.size, n, "logprobs", opt.entropy_coef == 0);
+  check_size("ref_logprobs", in.ref_logprobs.size, n, "logprobs", opt.kl_coef == 0, "kl_coef > 0");
+  check_size("generation_logprobs", in.generation_logprobs.size, n, "logprobs", opt.tis_cap == 0, "tis_cap > 0");
+  check_size("entropy", in.entropy.size, n, "logprobs", opt.entropy_coef == 0, "entropy_coef > 0");
   check_size("grad_logprobs", out.grad_logprobs.size, n, "logprobs", false);
-  check_size("grad_entropy", out.grad_entropy.size, n, "logprobs", opt.entropy_coef == 0);
+  check_size("grad_entropy", out.grad_entropy.size, n, "logprobs", opt.entropy_coef == 0, "entropy_coef > 0");
   check_size("seq_loss", out.seq_loss.size, sq.count, "the number of sequences", true);
   check_size("seq_tokens", out.seq_tokens.size, sq.count, "the number of sequences",
              opt.reduction != loss_reduction::sequence_mean);

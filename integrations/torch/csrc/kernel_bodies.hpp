@@ -56,6 +56,25 @@ struct row_term_gradients {
   }
 };
 
+// lce gives ignored tokens no gradient at all, but their lse is real: the backward hands
+// lce those rows (bool `ignored`) with a valid target, the same id on every rank so that the
+// targets still agree, and no other row term. That id, where some row is ignored: 1 where
+// ignore_index is 0, else 0. On one rank a vocabulary of one id, which ignore_index 0
+// takes, has none to lend, and a dL/dlse there would be lost: that raises. (A group's
+// vocabulary of one id: lce itself rejects the stand-in, on every rank.)
+inline std::optional<std::int64_t> lse_stand_in(const at::Tensor& ignored, const at::Tensor& grad_lse,
+                                                const config& c, std::int64_t vocab_local) {
+  if (!ignored.any().item<bool>()) return std::nullopt;
+  const std::int64_t stand_in = c.ignore_index == 0 ? 1 : 0;
+  if (!c.group_name && stand_in >= vocab_local) {
+    TORCH_CHECK(!(grad_lse.ne(0) & ignored).any().item<bool>(), "lce_torch: grad_lse reaches tokens whose target is ",
+                "ignore_index (", c.ignore_index, "), and a vocabulary of ", vocab_local,
+                " id has no other id to carry it: pass another ignore_index (e.g. -100)");
+    return std::nullopt;
+  }
+  return stand_in;
+}
+
 template <class TorchT, class Device>
 std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>()> kernels<TorchT, Device>::forward(
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
@@ -102,15 +121,9 @@ std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor>()> kernels<TorchT, 
   at::Tensor gl = per_token(grad_logprobs, rt, n, "grad_logprobs", device);
   row_term_gradients terms(grad_entropy, grad_lse, grad_mean_logit, rt, n, device);
   if (terms.lse.defined() && n > 0) {
-    // lce gives ignored tokens no gradient at all, but their lse is real: hand
-    // lce those rows with a valid target (the same id on every rank, so the
-    // targets still agree) and no log-prob, entropy or mean-logit gradient, so
-    // that only dL/dlse reaches them.
     const at::Tensor ignored = y == c.ignore_index;
-    const std::int64_t stand_in = c.ignore_index == 0 ? 1 : 0;
-    const bool representable = c.group_name || stand_in < w.rows;
-    if (representable && ignored.any().item<bool>()) {
-      y = y.masked_fill(ignored, stand_in);
+    if (const auto stand_in = lse_stand_in(ignored, terms.lse, c, w.rows)) {
+      y = y.masked_fill(ignored, *stand_in);
       gl = gl.masked_fill(ignored, 0);
       terms.lse_only(ignored);
     }
@@ -225,15 +238,10 @@ std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor>()> kernels<TorchT, 
   at::Tensor gl = per_id(grad_logprobs, rt, y, "grad_logprobs", device);
   row_term_gradients terms(grad_entropy, grad_lse, grad_mean_logit, rt, n, device);
   if (terms.lse.defined() && n > 0 && y.k > 0) {
-    // As in backward above: a token whose K ids are all ignored takes no
-    // gradient in lce, but its lse is real. Its first id becomes a valid
-    // stand-in (the same on every rank) with no log-prob, entropy or
-    // mean-logit gradient, so that only dL/dlse reaches it.
+    // As in backward above, for a token whose K ids are all ignored: its first id is the stand-in.
     const at::Tensor ignored = (y.tensor == c.ignore_index).all(1);
-    const std::int64_t stand_in = c.ignore_index == 0 ? 1 : 0;
-    const bool representable = c.group_name || stand_in < w.rows;
-    if (representable && ignored.any().item<bool>()) {
-      at::Tensor first = y.tensor.select(1, 0).masked_fill(ignored, stand_in);
+    if (const auto stand_in = lse_stand_in(ignored, terms.lse, c, w.rows)) {
+      at::Tensor first = y.tensor.select(1, 0).masked_fill(ignored, *stand_in);
       y.tensor = y.tensor.clone();
       y.tensor.select(1, 0).copy_(first);
       gl = gl.masked_fill(ignored.unsqueeze(1), 0);

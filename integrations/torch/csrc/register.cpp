@@ -69,9 +69,30 @@ config make_config(std::int64_t vocab_start, std::int64_t ignore_index, double t
   return c;
 }
 
+enum class targets_kind { one_per_token, sets_of_k };
+
+// targets [...] (ids [..., K]) pair with hidden's rows [..., H] token for token, so their
+// leading shape is hidden's, not only their count: PyTorch raises on a [B, T] hidden
+// against [T, B] targets, and so does lce_torch. Under sequence parallel hidden holds this
+// rank's rows and the targets every rank's: lce checks their counts.
+void check_token_shape(const at::Tensor& hidden, const at::Tensor& targets, targets_kind kind,
+                       bool sequence_parallel) {
+  if (sequence_parallel || hidden.dim() < 1) return;
+  const auto tokens = hidden.sizes().slice(0, hidden.dim() - 1);
+  if (kind == targets_kind::one_per_token) {
+    TORCH_CHECK(targets.sizes() == tokens, "lce_torch: targets must have hidden's leading shape ", tokens,
+                " (hidden ", hidden.sizes(), "), got ", targets.sizes());
+  } else {
+    TORCH_CHECK(targets.dim() >= 1 && targets.sizes().slice(0, targets.dim() - 1) == tokens,
+                "lce_torch: ids must be [..., K] with hidden's leading shape ", tokens, " (hidden ",
+                hidden.sizes(), "), got ", targets.sizes());
+  }
+}
+
 template <class Device>
-void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
-                  const char* targets_name = "targets") {
+void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, const config& c,
+                  targets_kind kind = targets_kind::one_per_token) {
+  const char* const targets_name = kind == targets_kind::one_per_token ? "targets" : "ids";
   if constexpr (std::is_same_v<Device, cpu_device>) {
     TORCH_CHECK(hidden.device().is_cpu() && weight.device().is_cpu() && targets.device().is_cpu(),
                 "lce_torch: hidden, weight and targets must all be CPU tensors, got ", hidden.device(), ", ",
@@ -93,6 +114,7 @@ void check_inputs(const at::Tensor& hidden, const at::Tensor& weight, const at::
                    "lce_torch: hidden and weight must be float32, float64, bfloat16 or float16, got ", t);
   TORCH_CHECK_TYPE(targets.scalar_type() == at::kInt || targets.scalar_type() == at::kLong,
                    "lce_torch: ", targets_name, " must be int32 or int64, got ", targets.scalar_type());
+  check_token_shape(hidden, targets, kind, c.sequence_parallel);
 }
 
 // Calls f.template operator()<TorchT>() for the dtype of hidden.
@@ -163,7 +185,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprobs_on(
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                                workspace_limit_bytes, group_name);
   return agreed(c, hidden, [&] {
-    check_inputs<Device>(hidden, weight, targets);
+    check_inputs<Device>(hidden, weight, targets, c);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
       return kernels<TorchT, Device>::forward(hidden, weight, targets, bias, with_entropy, with_mean_logit, c);
     });
@@ -180,7 +202,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logprobs_backward_on(
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                                workspace_limit_bytes, group_name);
   return agreed(c, hidden, [&] {
-    check_inputs<Device>(hidden, weight, targets);
+    check_inputs<Device>(hidden, weight, targets, c);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
       return kernels<TorchT, Device>::backward(grad_logprobs, grad_entropy, hidden, weight, targets, lse, grad_lse,
                                                grad_mean_logit, bias, c);
@@ -197,7 +219,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                                workspace_limit_bytes, group_name);
   return agreed(c, hidden, [&] {
-    check_inputs<Device>(hidden, weight, targets);
+    check_inputs<Device>(hidden, weight, targets, c);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
       return kernels<TorchT, Device>::forward_backward(hidden, weight, targets, grad_logprobs, grad_lse,
                                                        grad_mean_logit, bias, with_mean_logit, c);
@@ -215,7 +237,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> target_set_logprobs_o
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                                workspace_limit_bytes, group_name);
   return agreed(c, hidden, [&] {
-    check_inputs<Device>(hidden, weight, ids, "ids");
+    check_inputs<Device>(hidden, weight, ids, c, targets_kind::sets_of_k);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
       return kernels<TorchT, Device>::set_forward(hidden, weight, ids, bias, with_entropy, with_mean_logit, c);
     });
@@ -232,7 +254,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> target_set_logprobs_backward_on(
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                                workspace_limit_bytes, group_name);
   return agreed(c, hidden, [&] {
-    check_inputs<Device>(hidden, weight, ids, "ids");
+    check_inputs<Device>(hidden, weight, ids, c, targets_kind::sets_of_k);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
       return kernels<TorchT, Device>::set_backward(grad_logprobs, grad_entropy, hidden, weight, ids, lse, grad_lse,
                                                    grad_mean_logit, bias, c);

@@ -11,7 +11,9 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <cmath>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -38,8 +40,8 @@ struct config {
     lce::options o;
     o.vocab_start = vocab_start;
     o.ignore_index = ignore_index;
-    o.temperature = static_cast<float>(temperature);
-    o.softcap = static_cast<float>(softcap);
+    o.temperature = as_float(temperature, "temperature");
+    o.softcap = as_float(softcap, "softcap");
     o.sequence_parallel = sequence_parallel;
     o.chunk_tokens = chunk_tokens;
     o.workspace_limit_bytes = static_cast<std::size_t>(workspace_limit_bytes);
@@ -47,6 +49,18 @@ struct config {
     // whole, so they are never zeroed first (a [V, H] pass, and a read of it, saved).
     o.overwrite_weight_gradients = true;
     return o;
+  }
+
+  // lce holds temperature and softcap as float32: a finite value that float32 would hold
+  // as 0, a subnormal or inf (|v| outside 1.2e-38 .. 3.4e38) raises here, naming the value
+  // passed, rather than turning the soft-cap off or the logits to NaN. (NaN, inf and signs
+  // are lce's to judge.)
+  static float as_float(double v, const char* name) {
+    const float f = static_cast<float>(v);
+    TORCH_CHECK(!std::isfinite(v) || v == 0 || std::isnormal(f), "lce: options.", name, " = ", v,
+                " does not fit a normal float32, which lce holds it in (magnitudes from ",
+                std::numeric_limits<float>::min(), " to ", std::numeric_limits<float>::max(), ")");
+    return f;
   }
 };
 

@@ -165,10 +165,36 @@ def linear_target_set_logprobs(hidden, weight, ids, *, bias=None, vocab_start=0,
     return out[0] if len(out) == 1 else out
 
 
+def _check_class_weight(class_weight, linear_weight, vocab_start, group):
+    # PyTorch's rule (one weight per class) where this rank sees the whole vocabulary; with a
+    # group, at least up to this shard's end (the ids a target may take here and below).
+    shard_end = int(vocab_start) + linear_weight.shape[0]
+    if group is None:
+        ok, want = class_weight.dim() == 1 and class_weight.shape[0] == shard_end, f"[V] = [{shard_end}]"
+    else:
+        ok, want = class_weight.dim() == 1 and class_weight.shape[0] >= shard_end, \
+            f"[V] (the whole vocabulary: at least {shard_end} here)"
+    if not ok:
+        raise ValueError(f"lce_torch.linear_cross_entropy: weight (class weights) must be {want}, one per class, "
+                         f"got {list(class_weight.shape)}")
+    if not class_weight.is_floating_point():
+        raise TypeError(f"lce_torch.linear_cross_entropy: weight (class weights) must be floating point, got "
+                        f"{class_weight.dtype}")
+    if class_weight.device != linear_weight.device:
+        raise ValueError(f"lce_torch.linear_cross_entropy: weight (class weights) must be on {linear_weight.device} "
+                         f"with linear_weight, got {class_weight.device}")
+
+
 def _token_weights(targets, class_weight, ignore_index, dtype):
     valid = targets != ignore_index
     if class_weight is None:
         return valid.to(dtype)
+    if not torch.compiler.is_compiling():
+        outside = valid & ((targets < 0) | (targets >= class_weight.shape[0]))
+        if bool(outside.any()):
+            bad = targets[outside][0].item()
+            raise ValueError(f"lce_torch.linear_cross_entropy: target {bad} has no class weight: weight has "
+                             f"{class_weight.shape[0]} classes (and ignore_index is {ignore_index})")
     safe = torch.where(valid, targets, torch.zeros_like(targets)).long()
     return torch.where(valid, class_weight.to(dtype)[safe], torch.zeros((), dtype=dtype, device=targets.device))
 
@@ -205,6 +231,13 @@ class _FusedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
+        # The gradients were made in the forward, outside autograd: a backward that would
+        # differentiate them again (create_graph=True) raises rather than handing out
+        # gradients whose own gradient is silently 0.
+        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            raise NotImplementedError(
+                "lce_torch: linear_cross_entropy's one-sweep gradients are not differentiable themselves (no double "
+                "backward, create_graph=True)")
         grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
         g = grad_loss.to(torch.float64 if grad_hidden.dtype == torch.float64 else torch.float32)
         if not torch.compiler.is_compiling() and bool(g == 1):
@@ -254,6 +287,8 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
         raise ValueError(f"lce_torch.linear_cross_entropy: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if ignore_index is None:
         ignore_index = -100
+    if weight is not None:
+        _check_class_weight(weight, linear_weight, vocab_start, group)
     opts = _options(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                     workspace_limit_bytes, group)
     needs_grad = torch.is_grad_enabled() and (input.requires_grad or linear_weight.requires_grad or

@@ -341,11 +341,20 @@ def dpo_loss(logprobs, cu_seqlens=None, *, ref_seq_logprobs=None, ref_logprobs=N
     flat_targets = layout.tokens(targets, "targets")
     flat_weights = _weights(layout, weights)
     if ref_logprobs is not None:
+        # The reference's per-token log-probs are summed against the policy's targets:
+        # checked here, so that a short one is named rather than the targets.
+        if tuple(ref_logprobs.shape) != tuple(logprobs.shape):
+            raise ValueError(f"lce_torch.dpo_loss: ref_logprobs has shape {tuple(ref_logprobs.shape)}, logprobs "
+                             f"{tuple(logprobs.shape)}")
         ref_seq_logprobs, _ = _ops.sequence_logprobs(
             layout.tokens(ref_logprobs, "ref_logprobs", logprobs.dtype).detach(), flat_targets, layout.cu_seqlens,
             flat_weights, ignore_index=int(ignore_index), length_average=bool(length_average))
     if pairs is not None:
-        pairs = torch.as_tensor(pairs).reshape(-1)
+        pairs = torch.as_tensor(pairs)
+        if pairs.numel() != 0 and (pairs.dim() != 2 or pairs.shape[1] != 2):
+            raise ValueError(f"lce_torch.dpo_loss: pairs must be [P, 2] (chosen, rejected) sequence indices, got shape "
+                             f"{tuple(pairs.shape)}")
+        pairs = pairs.reshape(-1)
     loss, _, seq_logprobs, _, seq_tokens, metrics = _ops.dpo_loss(
         layout.tokens(logprobs, "logprobs"), ref_seq_logprobs.to(torch.float64), flat_targets, layout.cu_seqlens,
         flat_weights, pairs, ignore_index=int(ignore_index), beta=float(beta), sft_coef=float(sft_coef),
@@ -390,6 +399,20 @@ def policy_gradient_loss(logprobs, advantages, cu_seqlens=None, *, old_logprobs=
                                 m[10], m[11])
 
 
+def _check_distinct_ids(fn, ids, ignore_index):
+    # The KL over a token's K ids counts each id's mass once: a repeated id would count the
+    # student's mass on it twice (lce's distill_loss takes distinct ids as given).
+    if torch.compiler.is_compiling() or ids.dim() != 2 or ids.shape[1] < 2:
+        return
+    ordered = ids.sort(dim=1).values
+    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] != ignore_index)
+    if bool(repeated.any()):
+        token = int(repeated.any(dim=1).nonzero()[0, 0])
+        value = int(ordered[token, 1:][repeated[token]][0])
+        raise ValueError(f"lce_torch.{fn}: ids of token {token} repeat id {value}: a token's K ids must be distinct "
+                         f"(a teacher's top-K are; ignore_index {ignore_index} may repeat)")
+
+
 def distill_loss(student_logprobs, teacher_logprobs, ids, cu_seqlens=None, *, targets=None, weights=None,
                  ignore_index=-100, reduction="token_mean", tail="bucket", normaliser=None,
                  group=None) -> DistillResult:
@@ -400,7 +423,7 @@ def distill_loss(student_logprobs, teacher_logprobs, ids, cu_seqlens=None, *, ta
     ``linear_target_set_logprobs(hidden, weight, ids)`` (float32 / float64),
     differentiable; teacher_logprobs: the teacher's log-probs of the same ids (a
     normalised distribution over the whole vocabulary; converted to the student's
-    dtype; a constant); ids: the teacher's top-K (int32 / int64, distinct per token,
+    dtype; a constant); ids: the teacher's top-K (int32 / int64, distinct per token: a repeat raises,
     ``ignore_index`` for absent ones). Packed [N, K] with ``cu_seqlens`` [S + 1] (None:
     one sequence), or [B, T, K] without cu_seqlens (each row a sequence).
 
@@ -444,9 +467,11 @@ def distill_loss(student_logprobs, teacher_logprobs, ids, cu_seqlens=None, *, ta
             x = x.reshape(-1)
         return x if dtype is None else x.to(dtype)
 
+    id_sets = sets(ids, "ids")
+    _check_distinct_ids(fn, id_sets, ignore_index)
     loss, _, seq_kl, seq_tokens, m = _ops.distill_loss(
         sets(student_logprobs, "student_logprobs"), sets(teacher_logprobs, "teacher_logprobs", student_logprobs.dtype),
-        sets(ids, "ids"), tokens(targets, "targets"), cu_seqlens, tokens(weights, "weights", torch.float32),
+        id_sets, tokens(targets, "targets"), cu_seqlens, tokens(weights, "weights", torch.float32),
         ignore_index=int(ignore_index), reduction=reduction, tail=tail, normaliser=_normaliser(normaliser),
         group_name=_group_name(group))
     return DistillResult(loss, m[0], m[1], m[2], m[3].to(torch.int64), m[4], seq_kl, seq_tokens)

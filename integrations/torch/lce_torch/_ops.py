@@ -36,9 +36,31 @@ def _result_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _check_fake(hidden, weight, targets, bias=None):
+def _check_fake(hidden, weight, targets, bias, options, sets=False):
+    # The checks of the C++ kernels (csrc/register.cpp) that the shapes alone decide, so that
+    # torch.compile and meta tensors raise where eager does.
+    name = "ids" if sets else "targets"
     torch._check(weight.dim() == 2, lambda: f"lce_torch: weight must be [V_local, H], got {tuple(weight.shape)}")
     torch._check(hidden.dim() >= 1, lambda: "lce_torch: hidden must be [..., H], got a scalar")
+    devices = [t.device for t in (hidden, weight, targets, bias) if t is not None]
+    torch._check(
+        all(d == devices[0] for d in devices),
+        lambda: f"lce_torch: hidden, weight, {name} (and bias) must be on one device, got {devices}",
+    )
+    if not options.get("sequence_parallel", False):
+        tokens = tuple(hidden.shape[:-1])
+        if sets:
+            torch._check(
+                targets.dim() >= 1 and tuple(targets.shape[:-1]) == tokens,
+                lambda: f"lce_torch: ids must be [..., K] with hidden's leading shape {list(tokens)} "
+                f"(hidden {list(hidden.shape)}), got {list(targets.shape)}",
+            )
+        else:
+            torch._check(
+                tuple(targets.shape) == tokens,
+                lambda: f"lce_torch: targets must have hidden's leading shape {list(tokens)} "
+                f"(hidden {list(hidden.shape)}), got {list(targets.shape)}",
+            )
     torch._check(
         hidden.dtype == weight.dtype,
         lambda: f"lce_torch: hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype",
@@ -68,7 +90,7 @@ def _bias_gradient_fake(bias, weight):
 
 @torch.library.register_fake("lce::logprobs")
 def _logprobs_fake(hidden, weight, targets, bias=None, *, with_entropy=False, with_mean_logit=False, **options):
-    _check_fake(hidden, weight, targets, bias)
+    _check_fake(hidden, weight, targets, bias, options)
     rdt = _result_dtype(hidden.dtype)
     logp = targets.new_empty(targets.shape, dtype=rdt)
     lse = targets.new_empty(targets.shape, dtype=rdt)
@@ -80,7 +102,7 @@ def _logprobs_fake(hidden, weight, targets, bias=None, *, with_entropy=False, wi
 @torch.library.register_fake("lce::logprobs_backward")
 def _logprobs_backward_fake(grad_logprobs, grad_entropy, hidden, weight, targets, lse, grad_lse=None,
                             grad_mean_logit=None, bias=None, **options):
-    _check_fake(hidden, weight, targets, bias)
+    _check_fake(hidden, weight, targets, bias, options)
     return (
         torch.empty_like(hidden, memory_format=torch.contiguous_format),
         torch.empty_like(weight, memory_format=torch.contiguous_format),
@@ -91,7 +113,7 @@ def _logprobs_backward_fake(grad_logprobs, grad_entropy, hidden, weight, targets
 @torch.library.register_fake("lce::logprobs_forward_backward")
 def _logprobs_forward_backward_fake(hidden, weight, targets, grad_logprobs, grad_lse=None, grad_mean_logit=None,
                                     bias=None, *, with_mean_logit=False, **options):
-    _check_fake(hidden, weight, targets, bias)
+    _check_fake(hidden, weight, targets, bias, options)
     rdt = _result_dtype(hidden.dtype)
     return (
         targets.new_empty(targets.shape, dtype=rdt),
@@ -106,8 +128,8 @@ def _logprobs_forward_backward_fake(hidden, weight, targets, grad_logprobs, grad
 @torch.library.register_fake("lce::target_set_logprobs")
 def _target_set_logprobs_fake(hidden, weight, ids, bias=None, *, with_entropy=False, with_mean_logit=False,
                               **options):
-    _check_fake(hidden, weight, ids, bias)
     torch._check(ids.dim() >= 1, lambda: "lce_torch: ids must be [..., K] (K ids per token), got a scalar")
+    _check_fake(hidden, weight, ids, bias, options, sets=True)
     rdt = _result_dtype(hidden.dtype)
     rows = ids.shape[:-1]
     logp = ids.new_empty(ids.shape, dtype=rdt)
@@ -120,7 +142,7 @@ def _target_set_logprobs_fake(hidden, weight, ids, bias=None, *, with_entropy=Fa
 @torch.library.register_fake("lce::target_set_logprobs_backward")
 def _target_set_logprobs_backward_fake(grad_logprobs, grad_entropy, hidden, weight, ids, lse, grad_lse=None,
                                        grad_mean_logit=None, bias=None, **options):
-    _check_fake(hidden, weight, ids, bias)
+    _check_fake(hidden, weight, ids, bias, options, sets=True)
     return (
         torch.empty_like(hidden, memory_format=torch.contiguous_format),
         torch.empty_like(weight, memory_format=torch.contiguous_format),

@@ -66,7 +66,7 @@ CASES = {
     "logprobs_nan": (sft, nan_at("logp", 1), {}, RuntimeError,
                      r"lce: logprobs\[1\] = nan is not finite \(token 1 counts"),
     "smoothing_without_lse": (sft, lambda d: None, dict(label_smoothing=0.1), RuntimeError,
-                              r"lce: lse: size 0 does not match logprobs \(6\)"),
+                              r"lce: lse: absent \(size 0\), but label_smoothing or z_loss != 0 needs it: size 6 \(logprobs\)"),
     "smoothing_range": (sft, lambda d: None, dict(label_smoothing=1.5), RuntimeError,
                         r"lce: options.label_smoothing = 1.5 is outside \[0, 1\]"),
     "normaliser_zero": (sft, lambda d: None, dict(normaliser=0.0), RuntimeError,
@@ -93,7 +93,7 @@ CASES = {
     "dual_clip": (pg, lambda d: None, dict(dual_clip=0.5), RuntimeError,
                   r"lce: pg_options.dual_clip must be 0 \(off\) or a finite c > 1, got 0.5"),
     "kl_without_ref": (pg, lambda d: None, dict(kl_coef=0.1), RuntimeError,
-                       r"lce: ref_logprobs: size 0 does not match logprobs \(6\)"),
+                       r"lce: ref_logprobs: absent \(size 0\), but kl_coef > 0 needs it: size 6 \(logprobs\)"),
     "kl_name": (pg, lambda d: None, dict(kl="k2"), ValueError, r"lce_torch: kl must be 'k1' or 'k3', got 'k2'"),
     "advantage_nan": (pg, lambda d: None, dict(advantages=torch.tensor([1.0, math.nan, 0.0, 0, 0, 0],
                                                                         dtype=torch.float64)),
@@ -125,8 +125,25 @@ def test_bad_input_raises_and_changes_nothing(case):
     assert d["logp"].grad is None
 
 
+def test_distill_ids_must_be_distinct():
+    ids = torch.tensor([[3, 1, 3], [0, 2, 1]])
+    student = torch.full((2, 3), -2.0, dtype=torch.float64, requires_grad=True)
+    teacher = torch.full((2, 3), -1.5, dtype=torch.float64)
+    with pytest.raises(ValueError, match=r"lce_torch.distill_loss: ids of token 0 repeat id 3: a token's K ids must be "
+                                         r"distinct"):
+        lce_torch.distill_loss(student, teacher, ids, torch.tensor([0, 2]))
+    # ignore_index marks absent ids and may repeat.
+    ids = torch.tensor([[3, IGNORE, IGNORE], [0, 2, 1]])
+    assert torch.isfinite(lce_torch.distill_loss(student, teacher, ids, torch.tensor([0, 2])).loss)
+
+
 def test_layout_and_reference_arguments():
     d = batch()
+    with pytest.raises(ValueError, match=r"lce_torch.dpo_loss: ref_logprobs has shape \(5,\), logprobs \(6,\)"):
+        lce_torch.dpo_loss(d["logp"], torch.tensor([0, 2, 3, 5, 6]), ref_logprobs=torch.zeros(5, dtype=torch.float64),
+                           targets=d["targets"])
+    with pytest.raises(ValueError, match=r"lce_torch.dpo_loss: pairs must be \[P, 2\] \(chosen, rejected\)"):
+        dpo(d, pairs=[[0, 1, 2], [3, 2, 1]])
     with pytest.raises(ValueError, match=r"lce_torch.sft_loss: a \[B, T\] logprobs \(\(2, 3\)\) takes no cu_seqlens"):
         lce_torch.sft_loss(d["logp"].reshape(2, 3), d["targets"].reshape(2, 3), d["cu"])
     with pytest.raises(ValueError, match=r"lce_torch.sft_loss: targets has shape \(3, 2\), logprobs \(2, 3\)"):

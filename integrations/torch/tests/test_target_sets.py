@@ -344,7 +344,7 @@ def unchanged(before, *ts):
 @pytest.mark.parametrize("case, match", [
     ("id_out_of_range", r"lce: .*19.* outside the vocabulary"),
     ("ids_float", r"lce_torch: ids must be int32 or int64"),
-    ("rows_mismatch", r"lce: "),
+    ("rows_mismatch", r"lce_torch: ids must be \[\.\.\., K\] with hidden.s leading shape \[\d+\]"),
     ("scalar_ids", r"lce_torch: ids must be \[\.\.\., K\]"),
 ])
 def test_target_set_bad_input(case, match):
