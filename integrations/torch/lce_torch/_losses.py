@@ -329,7 +329,8 @@ def dpo_loss(logprobs, cu_seqlens=None, *, ref_seq_logprobs=None, ref_logprobs=N
     sequences (``sft_coef``) and length-averaged log-probs (``length_average``).
 
     pairs: (chosen, rejected) sequence indices, [P, 2] or flat [c0, r0, c1, r1, ...]
-    (None: consecutive sequences (0, 1), (2, 3), ...). The reference: ``ref_seq_logprobs``
+    (None: consecutive sequences (0, 1), (2, 3), ...). With ``length_average`` a sequence
+    with no counted token has pi_s = 0. The reference: ``ref_seq_logprobs``
     [S] (its pi_s, same ``length_average``) or ``ref_logprobs`` [N] (its per-token log-probs,
     summed here by ``sequence_logprobs``); exactly one. The normaliser is the number of pairs
     (the global number with ``group``).
@@ -351,9 +352,9 @@ def dpo_loss(logprobs, cu_seqlens=None, *, ref_seq_logprobs=None, ref_logprobs=N
             flat_weights, ignore_index=int(ignore_index), length_average=bool(length_average))
     if pairs is not None:
         pairs = torch.as_tensor(pairs)
-        if pairs.numel() != 0 and (pairs.dim() != 2 or pairs.shape[1] != 2):
-            raise ValueError(f"lce_torch.dpo_loss: pairs must be [P, 2] (chosen, rejected) sequence indices, got shape "
-                             f"{tuple(pairs.shape)}")
+        if pairs.numel() != 0 and pairs.dim() != 1 and (pairs.dim() != 2 or pairs.shape[1] != 2):
+            raise ValueError(f"lce_torch.dpo_loss: pairs must be [P, 2] (chosen, rejected) sequence indices or flat "
+                             f"[2 P], got shape {tuple(pairs.shape)}")
         pairs = pairs.reshape(-1)
     loss, _, seq_logprobs, _, seq_tokens, metrics = _ops.dpo_loss(
         layout.tokens(logprobs, "logprobs"), ref_seq_logprobs.to(torch.float64), flat_targets, layout.cu_seqlens,

@@ -142,8 +142,11 @@ def test_layout_and_reference_arguments():
     with pytest.raises(ValueError, match=r"lce_torch.dpo_loss: ref_logprobs has shape \(5,\), logprobs \(6,\)"):
         lce_torch.dpo_loss(d["logp"], torch.tensor([0, 2, 3, 5, 6]), ref_logprobs=torch.zeros(5, dtype=torch.float64),
                            targets=d["targets"])
-    with pytest.raises(ValueError, match=r"lce_torch.dpo_loss: pairs must be \[P, 2\] \(chosen, rejected\)"):
-        dpo(d, pairs=[[0, 1, 2], [3, 2, 1]])
+    for bad in ([[0, 1, 2], [3, 2, 1]], [[0, 1, 2, 3]]):
+        with pytest.raises(ValueError, match=r"lce_torch.dpo_loss: pairs must be \[P, 2\] \(chosen, rejected\)"):
+            dpo(d, pairs=bad)
+    # [P, 2] and flat [2 P] are the same pairs.
+    torch.testing.assert_close(dpo(batch(), pairs=[[0, 1], [2, 3]]).loss, dpo(batch(), pairs=[0, 1, 2, 3]).loss)
     with pytest.raises(ValueError, match=r"lce_torch.sft_loss: a \[B, T\] logprobs \(\(2, 3\)\) takes no cu_seqlens"):
         lce_torch.sft_loss(d["logp"].reshape(2, 3), d["targets"].reshape(2, 3), d["cu"])
     with pytest.raises(ValueError, match=r"lce_torch.sft_loss: targets has shape \(3, 2\), logprobs \(2, 3\)"):
