@@ -284,6 +284,24 @@ TEST_CASE_TEMPLATE("logits of +-1e4 give finite, correct results", T, float, dou
 // ---------------------------------------------------------------------------
 // strided buffers, N not a multiple of the chunk
 // ---------------------------------------------------------------------------
+// A soft-cap far above the logits maps each close to itself: tanh(s / cap) near 0, where
+// fp32's (1 - e) / (1 + e) cancels (cap 1e6 left logits 0.1 off; cap 1e8 made them all 0).
+TEST_CASE_TEMPLATE("a soft-cap far above the logits keeps them, to the type's precision", T, float, double,
+                   lce::bfloat16, lce::float16) {
+  const std::int64_t n = 9;
+  problem p = make_problem(n, 6, 37, 211, rounder_for<T>(), 1.5, 1.0, 0.2);
+  const auto g = random_vector(n, 212, -1.0, 1.0, rounder_for<out_t<T>>());
+  const auto hg = random_vector(n, 213, -0.5, 0.5, rounder_for<out_t<T>>());
+  const auto pre = random_vector(p.v * p.h, 214, -1.0, 1.0, rounder_for<float>());
+  for (const float cap : {3.0f, 0.3f, 1e4f, 1e6f, 1e8f, 1e20f, 8.5e37f}) {
+    CAPTURE(cap);
+    p.cap = cap;
+    p.tau = 0.8f;
+    auto op = make_op<T>(make_options(p.tau, p.cap, 4));
+    check_against_reference(exercise<T, float>(op, p, g, hg, pre), p, g, hg, pre);
+  }
+}
+
 TEST_CASE_TEMPLATE("strided hidden, weight, grad_hidden, grad_weight: correct, padding untouched", T, float, double,
                    lce::bfloat16, lce::float16) {
   cases::strided_buffers<host_env, T>();

@@ -20,11 +20,12 @@ namespace detail {
 
 inline void check_options(const options& opt) {
   // A subnormal temperature or soft-cap passes "> 0" but its reciprocal, which scales the
-  // logits, overflows: NaN logits, or a soft-cap silently off where it rounds to 0 first.
+  // logits, overflows: NaN logits. A soft-cap past 1 / FLT_MIN (8.5e37) has a subnormal
+  // reciprocal, which holds too few bits for the raw logits it scales.
   expects(std::isnormal(opt.temperature) && opt.temperature > 0.0f,
           "temperature must be finite, > 0 and a normal float, got ", opt.temperature);
-  expects(opt.softcap == 0.0f || (std::isnormal(opt.softcap) && opt.softcap > 0.0f),
-          "softcap must be 0 (none) or finite, > 0 and a normal float, got ", opt.softcap);
+  expects(opt.softcap == 0.0f || (std::isnormal(opt.softcap) && opt.softcap > 0.0f && std::isnormal(1.0f / opt.softcap)),
+          "softcap must be 0 (none) or finite, > 0, a normal float and at most 8.5e37 (1 / FLT_MIN), got ", opt.softcap);
   expects(opt.chunk_tokens >= 0, "chunk_tokens must be >= 0 (0 lets the chunk policy decide), got ",
           opt.chunk_tokens);
   expects(opt.vocab_start >= 0, "vocab_start must be >= 0, got ", opt.vocab_start);
@@ -36,7 +37,8 @@ template <class E>
 void check_matrix(const matrix_view<E>& m, const char* name, std::int64_t extent_limit = INT64_MAX) {
   expects(m.rows >= 0 && m.cols >= 0, name, ": negative shape ", m.rows, " x ", m.cols);
   expects(m.rows == 0 || m.ld >= std::max<std::int64_t>(m.cols, 1), name, ": leading dimension ld = ", m.ld,
-          " is smaller than cols = ", m.cols, " (rows ", m.rows, ")");
+          m.cols > 0 ? " is smaller than cols = " : " must be at least 1 (cols = ", m.cols, m.cols > 0 ? " (rows " : ", rows ",
+          m.rows, ")");
   expects(m.data != nullptr || m.rows == 0 || m.cols == 0, name, ": null data for a ", m.rows, " x ", m.cols,
           " matrix");
   expects(m.rows <= extent_limit && m.cols <= extent_limit && m.ld <= extent_limit, name, ": shape ", m.rows,
