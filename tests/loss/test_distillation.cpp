@@ -241,7 +241,25 @@ TEST_CASE("distillation: bad input raises lce::error naming it, outputs untouche
               "student_logprobs[" + std::to_string(first) + ", 1] = -inf");
   check_error([&] { run(p.t.logprobs, student, norm, k - 1); }, "grad_logprobs: [" + std::to_string(n) + ", 4]");
   check_error([&] { run(p.t.logprobs, student, 0.0); }, "normaliser is 0");
+  // A repeated id would count the student's mass on it twice; absent ids (ignore_index) may repeat.
+  const auto with_ids = [&](const std::vector<std::int64_t>& ids) {
+    return lce::distill_loss(thrust::host, p.b.view(),
+                             lce::distill_inputs<std::int64_t, const double>{
+                                 {ids.data(), n, k}, {p.t.logprobs.data(), n, k}, {student.data(), n, k}},
+                             norm, lce::distill_outputs<double>{{grad.data(), n, k}});
+  };
+  auto repeated = p.t.ids;
+  repeated[first * k + 2] = repeated[first * k];
+  check_error([&] { with_ids(repeated); }, "ids[" + std::to_string(first) + ", 2] = " +
+                                               std::to_string(repeated[first * k]) + " repeats an earlier id of token " +
+                                               std::to_string(first) + ": a token's K ids must be distinct");
   CHECK(grad == before);
+  std::int64_t shorter = 3;  // make_teacher ignores the last two ids of every fourth token
+  while (p.b.w(shorter) == 0.0) shorter += 4;
+  CHECK(p.t.ids[shorter * k + k - 1] == -100);
+  CHECK(p.t.ids[shorter * k + k - 2] == -100);
+  CHECK(std::isfinite(with_ids(p.t.ids).loss));
+  grad = before;
 
   // Nothing counted: loss 0, gradient 0, no NaN.
   std::vector<float> zero(static_cast<std::size_t>(n), 0.0f);

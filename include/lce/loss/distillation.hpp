@@ -28,7 +28,7 @@
 //
 // An id equal to the batch's ignore_index is absent (teacher entries there
 // are not read); a token whose ids are all absent adds nothing. The K ids of
-// a token must be distinct (a teacher's top-K are).
+// a counted token must be distinct (a teacher's top-K are): a repeat raises.
 
 #include <lce/loss/packed.hpp>
 
@@ -171,7 +171,8 @@ struct distill_gradient {
 };
 
 // The teacher's entries of counted tokens: log-probs <= 0 (or -inf), a top-K
-// mass <= 1; the student's finite. Reports the first offending token.
+// mass <= 1; the student's finite; the ids distinct. Reports the first
+// offending token.
 template <class I, class R>
 struct distill_entry {
   distill_token<I, R> token;
@@ -180,8 +181,19 @@ struct distill_entry {
     value_report r;
     if (w(i) == 0.0) return r;
     double mass = 0;
+    const I* ids = token.ids + i * token.k;
     for (std::int64_t e = 0; e < token.k; ++e) {
-      if (static_cast<std::int64_t>(token.ids[i * token.k + e]) == token.ignore_index) continue;
+      const auto id = static_cast<std::int64_t>(ids[e]);
+      if (id == token.ignore_index) continue;
+      // A repeated id would count the student's mass on it twice. K^2 / 2
+      // compares per token: nothing beside the token's V H GEMM work.
+      for (std::int64_t f = 0; f < e; ++f)
+        if (static_cast<std::int64_t>(ids[f]) == id) {
+          r.bad = i;
+          r.at = 2 * token.k + 1 + e;  // the repeat at entry e
+          r.value = static_cast<double>(id);
+          return r;
+        }
       const double lt = static_cast<double>(token.teacher[i * token.k + e]);
       const double ls = static_cast<double>(token.student[i * token.k + e]);
       const bool bad_teacher = lt != lt || lt > 1e-6;  // NaN, or a probability above 1
@@ -252,6 +264,10 @@ distill_result distill_loss(Policy&& exec, const packed_tokens<I, C>& batch, con
     const value_report r = thrust::transform_reduce(exec, idx, idx + n, distill_entry<I, R0>{token, w},
                                                     value_report{}, value_report_plus{});
     if (r.bad != no_index) {
+      if (r.at > 2 * k)
+        detail::fail("ids[", r.bad, ", ", r.at - 2 * k - 1, "] = ", static_cast<std::int64_t>(r.value),
+                     " repeats an earlier id of token ", r.bad, ": a token's K ids must be distinct (a teacher's ",
+                     "top-K are; ignore_index ", batch.ignore_index, " may repeat)");
       if (r.at == 2 * k)
         detail::fail("teacher_logprobs: the top-K of token ", r.bad, " hold probability ", r.value,
                      " > 1 (log-probs of a normalised distribution over the whole vocabulary expected)");

@@ -400,20 +400,6 @@ def policy_gradient_loss(logprobs, advantages, cu_seqlens=None, *, old_logprobs=
                                 m[10], m[11])
 
 
-def _check_distinct_ids(fn, ids, ignore_index):
-    # The KL over a token's K ids counts each id's mass once: a repeated id would count the
-    # student's mass on it twice (lce's distill_loss takes distinct ids as given).
-    if torch.compiler.is_compiling() or ids.dim() != 2 or ids.shape[1] < 2:
-        return
-    ordered = ids.sort(dim=1).values
-    repeated = (ordered[:, 1:] == ordered[:, :-1]) & (ordered[:, 1:] != ignore_index)
-    if bool(repeated.any()):
-        token = int(repeated.any(dim=1).nonzero()[0, 0])
-        value = int(ordered[token, 1:][repeated[token]][0])
-        raise ValueError(f"lce_torch.{fn}: ids of token {token} repeat id {value}: a token's K ids must be distinct "
-                         f"(a teacher's top-K are; ignore_index {ignore_index} may repeat)")
-
-
 def distill_loss(student_logprobs, teacher_logprobs, ids, cu_seqlens=None, *, targets=None, weights=None,
                  ignore_index=-100, reduction="token_mean", tail="bucket", normaliser=None,
                  group=None) -> DistillResult:
@@ -469,7 +455,6 @@ def distill_loss(student_logprobs, teacher_logprobs, ids, cu_seqlens=None, *, ta
         return x if dtype is None else x.to(dtype)
 
     id_sets = sets(ids, "ids")
-    _check_distinct_ids(fn, id_sets, ignore_index)
     loss, _, seq_kl, seq_tokens, m = _ops.distill_loss(
         sets(student_logprobs, "student_logprobs"), sets(teacher_logprobs, "teacher_logprobs", student_logprobs.dtype),
         id_sets, tokens(targets, "targets"), cu_seqlens, tokens(weights, "weights", torch.float32),

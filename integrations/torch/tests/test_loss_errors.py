@@ -129,7 +129,7 @@ def test_distill_ids_must_be_distinct():
     ids = torch.tensor([[3, 1, 3], [0, 2, 1]])
     student = torch.full((2, 3), -2.0, dtype=torch.float64, requires_grad=True)
     teacher = torch.full((2, 3), -1.5, dtype=torch.float64)
-    with pytest.raises(ValueError, match=r"lce_torch.distill_loss: ids of token 0 repeat id 3: a token's K ids must be "
+    with pytest.raises(RuntimeError, match=r"lce: ids\[0, 2\] = 3 repeats an earlier id of token 0: a token's K ids must be "
                                          r"distinct"):
         lce_torch.distill_loss(student, teacher, ids, torch.tensor([0, 2]))
     # ignore_index marks absent ids and may repeat.
