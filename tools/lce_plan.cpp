@@ -9,6 +9,7 @@
 //   lce_plan ... --json plan.json
 #include <lce/plan.hpp>
 
+#include <cerrno>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -35,11 +36,17 @@ void usage(const char* argv0, std::FILE* to) {
                    "--budget is GiB, of --workspace MiB. --table: every model at TP 1, 2, 4, 8.\n");
 }
 
-// "80", "80GiB", "80GB", "256MiB"; a bare number is in `unit` bytes.
-bool parse_bytes(const std::string& s, double unit, std::size_t& out) {
+// A bad value: says which option and why, and exits 2 (the usage would not say).
+[[noreturn]] void bad_value(const std::string& option, const std::string& text, const char* why) {
+  std::fprintf(stderr, "lce_plan: %s %s: %s (--help for the usage)\n", option.c_str(), text.c_str(), why);
+  std::exit(2);
+}
+
+// "80", "80GiB", "80GB", "256MiB"; a bare number is in `unit` bytes. At most 2^62 bytes.
+std::size_t parse_bytes(const std::string& option, const std::string& s, double unit) {
   char* end = nullptr;
   const double v = std::strtod(s.c_str(), &end);
-  if (end == s.c_str() || !(v >= 0)) return false;
+  if (end == s.c_str() || !(v >= 0)) bad_value(option, s, "not a number of bytes >= 0");
   const std::string suffix(end);
   double scale = unit;
   if (suffix == "B") scale = 1;
@@ -51,16 +58,30 @@ bool parse_bytes(const std::string& s, double unit, std::size_t& out) {
   else if (suffix == "MB") scale = 1e6;
   else if (suffix == "GB") scale = 1e9;
   else if (suffix == "TB") scale = 1e12;
-  else if (!suffix.empty()) return false;
-  out = static_cast<std::size_t>(v * scale);
-  return true;
+  else if (!suffix.empty()) bad_value(option, s, "unit not one of B, KiB, MiB, GiB, TiB, KB, MB, GB, TB");
+  const double bytes = v * scale;
+  if (!(bytes <= 0x1p62)) bad_value(option, s, "more than 2^62 bytes (4 EiB)");
+  return static_cast<std::size_t>(bytes);
 }
 
-std::vector<int> parse_ints(const std::string& s) {
+// A whole decimal number in [least, most], nothing after it.
+std::int64_t parse_int(const std::string& option, const std::string& s, std::int64_t least, std::int64_t most) {
+  char* end = nullptr;
+  errno = 0;
+  const long long v = std::strtoll(s.c_str(), &end, 10);
+  if (end == s.c_str() || *end != '\0' || errno == ERANGE || v < least || v > most) {
+    const std::string why = "not a whole number in [" + std::to_string(least) + ", " + std::to_string(most) + "]";
+    bad_value(option, s, why.c_str());
+  }
+  return v;
+}
+
+std::vector<int> parse_ints(const std::string& option, const std::string& s) {
   std::vector<int> out;
   std::stringstream in(s);
   for (std::string item; std::getline(in, item, ',');)
-    if (!item.empty()) out.push_back(std::atoi(item.c_str()));
+    out.push_back(static_cast<int>(parse_int(option, item, 1, 1 << 20)));
+  if (out.empty()) bad_value(option, s, "no value");
   return out;
 }
 
@@ -82,6 +103,7 @@ std::string tokens_k(std::int64_t t) {
   return buf;
 }
 std::string gib_text(std::size_t bytes) {
+  if (bytes == SIZE_MAX) return "> 2^64 B";  // the plan saturates rather than wrap
   char buf[64];
   std::snprintf(buf, sizeof buf, "%.2f", double(bytes) / gib);
   return buf;
@@ -169,6 +191,8 @@ int main(int argc, char** argv) {
   std::string model = "qwen2.5-7b", json, dtype = "bf16";
   std::vector<int> tps{1, 2, 4, 8};
   bool table = false, markdown = false, custom = false, sp = true;
+  // Sizes whose products the plan sums in 64 bits (it saturates past them).
+  constexpr std::int64_t max_size = std::int64_t{1} << 40;
   std::int64_t tokens = 131072;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -183,22 +207,22 @@ int main(int argc, char** argv) {
     else if (a == "--table") table = true;
     else if (a == "--markdown") markdown = true;
     else if (a == "--model") model = value();
-    else if (a == "--hidden") base.hidden = std::atoll(value().c_str()), custom = true;
-    else if (a == "--vocab") base.vocab = std::atoll(value().c_str()), custom = true;
-    else if (a == "--tp") tps = parse_ints(value());
+    else if (a == "--hidden") base.hidden = parse_int(a, value(), 1, max_size), custom = true;
+    else if (a == "--vocab") base.vocab = parse_int(a, value(), 1, max_size), custom = true;
+    else if (a == "--tp") tps = parse_ints(a, value());
     else if (a == "--sp") {
       const std::string v = value();
-      if (v != "on" && v != "off") return usage(argv[0], stderr), 2;
+      if (v != "on" && v != "off") bad_value(a, v, "not on or off");
       sp = v == "on";
-    } else if (a == "--dtype") dtype = value();
-    else if (a == "--budget") {
-      if (!parse_bytes(value(), gib, base.budget_bytes)) return usage(argv[0], stderr), 2;
-    } else if (a == "--workspace") {
-      if (!parse_bytes(value(), 1024.0 * 1024, base.workspace_limit_bytes)) return usage(argv[0], stderr), 2;
-    } else if (a == "--origin-chunk") base.origin_chunk_tokens = std::atoll(value().c_str());
-    else if (a == "--tokens") tokens = std::atoll(value().c_str());
+    } else if (a == "--dtype") {
+      dtype = value();
+      if (dtype != "bf16" && dtype != "fp16" && dtype != "fp32") bad_value(a, dtype, "not bf16, fp16 or fp32");
+    } else if (a == "--budget") base.budget_bytes = parse_bytes(a, value(), gib);
+    else if (a == "--workspace") base.workspace_limit_bytes = parse_bytes(a, value(), 1024.0 * 1024);
+    else if (a == "--origin-chunk") base.origin_chunk_tokens = parse_int(a, value(), 1, max_size);
+    else if (a == "--tokens") tokens = parse_int(a, value(), 1, lce::plan_max_tokens);
     else if (a == "--json") json = value();
-    else return usage(argv[0], stderr), 2;
+    else return std::fprintf(stderr, "lce_plan: unknown option %s\n", a.c_str()), usage(argv[0], stderr), 2;
   }
   if (dtype == "bf16" || dtype == "fp16") base.element_bytes = 2;
   else if (dtype == "fp32") base.element_bytes = 4;

@@ -173,7 +173,7 @@ inline void check_plan_request(const plan_request& r) {
 
 inline bool plan_sequence_parallel(const plan_request& r) { return r.sequence_parallel && r.tensor_parallel > 1; }
 inline std::int64_t plan_vocab_local(const plan_request& r) {
-  return (r.vocab + r.tensor_parallel - 1) / r.tensor_parallel;
+  return r.vocab / r.tensor_parallel + (r.vocab % r.tensor_parallel != 0);  // ceil, no overflow near INT64_MAX
 }
 
 // The operator the plan stands for: P ranks, one host thread (the plan

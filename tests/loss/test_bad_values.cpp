@@ -179,9 +179,41 @@ TEST_CASE("bad values: a normaliser of 0 with counted tokens (or pairs) here rai
         (void)lce::dpo_loss(thrust::host, b.view(), lce::dpo_inputs<double>{cv(b.logp), cv(ref), {}}, 0.0,
                             lce::dpo_outputs<double>{mv(g), mv(pi), mv(sg), mv(n)});
       },
-      "normaliser is 0 but this rank has 1 pair");
+      "normaliser is 0 but this rank has 1 pair(s): pass the global count (count_pairs summed by global_token_count)");
   CHECK(g == std::vector<double>(b.n(), 4.0));
   CHECK(pi == std::vector<double>(b.s(), 4.0));
+}
+
+TEST_CASE("bad values: inputs given for a metric alone: a reference far off (kl_coef 0) leaves the loss finite; an "
+          "lse (no smoothing, no z-loss) is checked") {
+  // k3's exp(ref - logp) overflows at token 0; with kl_coef 0 only the ref_kl metric may show it.
+  batch b = counted_batch();
+  std::vector<std::int64_t> cu{0, 2}, targets{1, 1};
+  lce::packed_tokens<std::int64_t, std::int64_t> two{cv(targets), cv(cu), {}, -100};
+  const std::vector<float> lp{-750.0f, -1.0f}, adv{1.0f, 1.0f}, ref{0.0f, -1.0f};
+  std::vector<float> g(2, 4.0f);
+  const auto r = lce::policy_gradient_loss(thrust::host, two, lce::pg_inputs<float>{cv(lp), cv(adv), {}, cv(ref)}, 2.0,
+                                           lce::pg_outputs<float>{mv(g)}, lce::pg_options{});
+  CHECK(r.loss == -1.0);  // -A r per token, r = 1 without old_logprobs, over 2 tokens
+  CHECK(g == std::vector<float>{-0.5f, -0.5f});
+  CHECK(std::isinf(r.ref_kl));
+
+  // sft_loss reads a given lse for lse_square_sum, so it checks it.
+  std::vector<double> lse(b.n(), 2.0);
+  lse[2] = inf_v;
+  std::vector<float> grad(b.n(), 4.0f);
+  check_error(
+      [&] {
+        (void)lce::sft_loss(thrust::host, b.view(), cv(b.logp), 4.0, lce::sft_outputs<float>{mv(grad)},
+                            lce::sft_options{}, lce::sft_smoothing_inputs<const double>{cv(lse), {}});
+      },
+      "lse[2] = inf is not finite");
+  CHECK(grad == std::vector<float>(b.n(), 4.0f));
+  lse[1] = nan_v;  // token 1 is ignore_index: not read
+  lse[2] = 2.0;
+  const auto sft = lce::sft_loss(thrust::host, b.view(), cv(b.logp), 4.0, lce::sft_outputs<float>{mv(grad)},
+                                 lce::sft_options{}, lce::sft_smoothing_inputs<const double>{cv(lse), {}});
+  CHECK(sft.lse_square_sum == 16.0);  // 4 counted tokens of weight 1, lse 2
 }
 
 TEST_CASE("bad values: DPO rejects non-finite reference sequence log-probs and policy log-probs of a pair") {

@@ -272,3 +272,71 @@ TEST_CASE("distillation: bad input raises lce::error naming it, outputs untouche
   CHECK(r.tokens == 0);
   CHECK(std::all_of(grad.begin(), grad.end(), [](double g) { return g == 0.0; }));
 }
+
+TEST_CASE("distillation: float log-probs of every id give the full KL and its gradient -p; a top-K mass that "
+          "underflows still renormalises; a student's mass over 1 or a teacher with none raises") {
+  problem p;
+  const std::int64_t n = p.n, v = p.v, h = p.h;
+  const auto logq = student_log_softmax(p.x, p.w, n, h, v);
+  // Every id of the vocabulary, in float: both tails are 1 - sum of V rounded exps, noise of
+  // either sign, which the bucket must not read as masses.
+  std::vector<std::int64_t> ids, targets(static_cast<std::size_t>(n), 0);
+  std::vector<float> teacher_lp, student_lp;
+  for (std::int64_t i = 0; i < n; ++i)
+    for (std::int64_t j = 0; j < v; ++j) {
+      ids.push_back((j * 7 + i) % v);  // a permutation per token
+      teacher_lp.push_back(static_cast<float>(p.t.full[i * v + ids.back()]));
+      student_lp.push_back(static_cast<float>(logq[i * v + ids.back()]));
+    }
+  lce::packed_tokens<std::int64_t, std::int64_t> batch{{targets.data(), n}, {}, {}, -100};
+  std::vector<float> grad(static_cast<std::size_t>(n * v));
+  const auto r = lce::distill_loss(thrust::host, batch,
+                                   lce::distill_inputs<std::int64_t>{
+                                       {ids.data(), n, v}, {teacher_lp.data(), n, v}, {student_lp.data(), n, v}},
+                                   1.0, lce::distill_outputs<float>{{grad.data(), n, v}});
+  double full = 0, worst = 0;
+  for (std::int64_t i = 0; i < n; ++i)
+    for (std::int64_t j = 0; j < v; ++j) {
+      const std::size_t at = static_cast<std::size_t>(i * v + j);
+      const double lt = p.t.full[i * v + ids[at]];
+      full += std::exp(lt) * (lt - logq[i * v + ids[at]]);
+      worst = std::max(worst, std::fabs(double(grad[at]) + std::exp(lt)));  // dKL/dlog q = -p
+    }
+  CHECK(std::fabs(r.loss - full) < 1e-5 * (1 + full));
+  CHECK(worst < 1e-6);
+
+  const auto one_token = [](std::vector<float> teacher, std::vector<float> student, lce::distill_tail tail,
+                            std::vector<float>& g) {
+    const auto k = static_cast<std::int64_t>(teacher.size());
+    static const std::vector<std::int64_t> id_list{0, 1, 2, 3}, target{0};
+    lce::packed_tokens<std::int64_t, std::int64_t> one{{target.data(), 1}, {}, {}, -100};
+    g.assign(static_cast<std::size_t>(k), 7.0f);
+    return lce::distill_loss(thrust::host, one,
+                             lce::distill_inputs<std::int64_t>{{id_list.data(), 1, k}, {teacher.data(), 1, k},
+                                                               {student.data(), 1, k}},
+                             1.0, lce::distill_outputs<float>{{g.data(), 1, k}}, lce::distill_options{{}, tail});
+  };
+  // The teacher's top-2 mass e^-800 (1 + e^-1) underflows in double; renormalised it is
+  // (0.731, 0.269) all the same.
+  std::vector<float> g;
+  const auto renormalised = one_token({-800.0f, -801.0f}, {-1.0f, -2.0f}, lce::distill_tail::renormalise, g);
+  const double p0 = 1.0 / (1.0 + std::exp(-1.0)), p1 = 1.0 - p0;
+  CHECK(renormalised.loss == doctest::Approx(p0 * (std::log(p0) + 1.0) + p1 * (std::log(p1) + 2.0)).epsilon(1e-6));
+  CHECK(g[0] == doctest::Approx(-p0).epsilon(1e-6));
+  CHECK(g[1] == doctest::Approx(-p1).epsilon(1e-6));
+  // The same teacher in the bucket: its tail is everything, against the student's 1 - e^-1 - e^-2.
+  const auto bucket = one_token({-800.0f, -801.0f}, {-1.0f, -2.0f}, lce::distill_tail::bucket, g);
+  const double student_tail = 1.0 - std::exp(-1.0) - std::exp(-2.0);
+  CHECK(bucket.loss == doctest::Approx(-std::log(student_tail)).epsilon(1e-6));
+  CHECK(g[0] == doctest::Approx(std::exp(-1.0) / student_tail).epsilon(1e-5));
+
+  check_error([&] { one_token({-2.0f, -2.0f}, {std::log(0.6f), std::log(0.6f)}, lce::distill_tail::bucket, g); },
+              "student_logprobs: the top-K of token 0 hold probability 1.2");
+  CHECK(g == std::vector<float>{7.0f, 7.0f});  // untouched (one_token refilled it with 7s)
+  check_error([&] { one_token({-INFINITY, -INFINITY}, {-1.0f, -2.0f}, lce::distill_tail::renormalise, g); },
+              "teacher_logprobs: every log-prob of token 0 is -inf");
+  CHECK(g == std::vector<float>{7.0f, 7.0f});
+  // The bucket takes that teacher: all of it is tail.
+  CHECK(one_token({-INFINITY, -INFINITY}, {-1.0f, -2.0f}, lce::distill_tail::bucket, g).loss ==
+        doctest::Approx(-std::log(student_tail)).epsilon(1e-6));
+}

@@ -293,7 +293,7 @@ TEST_CASE("policy gradient: bad options and sizes raise lce::error naming them; 
   check_error([&] { run(o, in); }, "advantages: size 5 does not match the number of sequences (sequence_advantages) (2)");
   o = {};
   o.reduction = lce::loss_reduction::sequence_mean;
-  check_error([&] { run(o, in); }, "seq_tokens: size 0 does not match the number of sequences (2)");
+  check_error([&] { run(o, in); }, "seq_tokens: absent (size 0), but sequence_mean needs it: size 2");
   auto bad = in;
   bad.old_logprobs.size = 4;
   check_error([&] { run({}, bad); }, "old_logprobs: size 4 does not match logprobs (5)");

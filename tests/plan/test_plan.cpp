@@ -128,3 +128,12 @@ TEST_CASE("plan: bad requests raise lce::error") {
   CHECK_THROWS_AS(lce::plan_step(request(8, 10, 1, false, 4), lce::plan_scheme::lce, -1), lce::error);
   CHECK_NOTHROW(lce::plan_step(request(8, 10, 4, false, 4), lce::plan_scheme::lce, 6));
 }
+
+TEST_CASE("plan: a vocabulary near INT64_MAX shards without overflow") {
+  const std::int64_t v = INT64_MAX - 7;
+  const auto m = lce::plan_step(request(1, v, 16, false, 2), lce::plan_scheme::materialised, 8);
+  const std::size_t shard = static_cast<std::size_t>(v / 16 + 1);  // ceil: v is not a multiple of 16
+  CHECK(m.weight == shard * 2);
+  CHECK(m.total() >= m.weight);
+  CHECK(lce::longest_sequence(request(1, v, 16, false, 2), lce::plan_scheme::materialised) == 0);
+}

@@ -77,7 +77,7 @@ TEST_CASE("target sets: bad shapes and ids raise lce::error naming them, outputs
   raises(Y.cview(), {wrong.view(), lse.view(), {}, {}}, "logprobs: [6, 4] does not match the targets' [6, 3]");
   ids[7] = v;
   const auto Ybad = make_id_matrix<std::int64_t>(ids, n, k);
-  raises(Ybad.cview(), {lp.view(), lse.view(), {}, {}}, "targets[7] = 20 is outside the vocabulary [0, 20)");
+  raises(Ybad.cview(), {lp.view(), lse.view(), {}, {}}, "targets[2, 1] = 20 is outside the vocabulary [0, 20)");
   const matrix_buf<std::int64_t> empty(n, 0);
   raises(empty.cview(), {lp.view(), lse.view(), {}, {}}, "needs K >= 1 ids per token");
   const auto Yshort = make_id_matrix<std::int64_t>(ids, n - 1, k);

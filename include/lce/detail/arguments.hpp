@@ -110,14 +110,26 @@ inline void check_no_alias(const std::vector<byte_range>& inputs, const std::vec
   check_no_alias_in(inputs, outputs);
 }
 
+// Where a target sits, as the caller wrote it: targets[i], or targets[i, e]
+// in target sets of K ids per token (held flat, [N K]).
+struct target_place {
+  std::int64_t at;
+  std::int64_t set_size;  // 0: one target per token
+  friend std::ostream& operator<<(std::ostream& os, const target_place& p) {
+    if (p.set_size == 0) return os << "targets[" << p.at << "]";
+    return os << "targets[" << p.at / p.set_size << ", " << p.at % p.set_size << "]";
+  }
+};
+
 // Targets are global ids in [0, vocab) or ignore_index.
 template <class I>
-void check_targets(const vector_view<const I>& targets, std::int64_t vocab, std::int64_t ignore_index) {
+void check_targets(const vector_view<const I>& targets, std::int64_t vocab, std::int64_t ignore_index,
+                   std::int64_t set_size = 0) {
   for (std::int64_t i = 0; i < targets.size; ++i) {
     const auto target = static_cast<std::int64_t>(targets.data[i]);
     if (target == ignore_index) continue;
-    expects(target >= 0 && target < vocab, "targets[", i, "] = ", target, " is outside the vocabulary [0, ", vocab,
-            ") and is not ignore_index (", ignore_index, ")");
+    expects(target >= 0 && target < vocab, target_place{i, set_size}, " = ", target,
+            " is outside the vocabulary [0, ", vocab, ") and is not ignore_index (", ignore_index, ")");
   }
 }
 

@@ -892,7 +892,7 @@ class engine {
       if (!failure.empty()) throw error(failure);
       expects(options_.vocab_start == 0, "options.vocab_start = ", options_.vocab_start,
               " on a single rank: the shard must cover the whole vocabulary [0, ", in.weight.rows, ")");
-      check_target_ids(targets, in.targets, in.weight.rows);
+      check_target_ids(targets, in.targets, in.weight.rows, in.set_size);
       call.vocab = in.weight.rows;
       return call;
     }
@@ -914,7 +914,7 @@ class engine {
     const agreed_call agreed = agreement_.agree(comm_, mine, failure);
     // Every rank holds the same targets (their hashes agree) and the same
     // layout, so every rank reaches the same verdict here.
-    check_target_ids(targets, in.targets, agreement_.vocab());
+    check_target_ids(targets, in.targets, agreement_.vocab(), in.set_size);
     call.vocab = agreement_.vocab();
     if (agreed.chunk < call.plan.chunk)
       call.plan = plan_for(in.tokens(), in.hidden.cols, in.weight.rows, agreed.chunk, in.set_size);
@@ -939,17 +939,18 @@ class engine {
   }
 
   template <class Index>
-  void check_target_ids(const target_scan& scanned, const vector_view<const Index>& targets, std::int64_t vocab) {
+  void check_target_ids(const target_scan& scanned, const vector_view<const Index>& targets, std::int64_t vocab,
+                        std::int64_t set_size) {
     if constexpr (backend_scans_targets<Index>) {
       const auto outside = [&](std::int64_t at, std::int64_t id) {
-        fail("targets[", at, "] = ", id, " is outside the vocabulary [0, ", vocab, ") and is not ignore_index (",
-             options_.ignore_index, ")");
+        fail(target_place{at, set_size}, " = ", id, " is outside the vocabulary [0, ", vocab,
+             ") and is not ignore_index (", options_.ignore_index, ")");
       };
       if (scanned.highest < scanned.lowest) return;  // every target ignored
       if (scanned.lowest < 0) outside(scanned.lowest_at, scanned.lowest);
       if (scanned.highest >= vocab) outside(scanned.highest_at, scanned.highest);
     } else {
-      check_targets(targets, vocab, options_.ignore_index);
+      check_targets(targets, vocab, options_.ignore_index, set_size);
     }
   }
 

@@ -15,6 +15,11 @@
 //                              sum p: KL(p^ || q) = sum_k p^_k (log p^_k - log q_k)
 //                              over the student's full distribution q.
 //
+// A tail below distill_mass_resolution (1e-5; 1e-2 for 2-byte log-probs) is the
+// rounding of the K log-probs, not a mass: the teacher's counts as none (every id
+// of the vocabulary in the set gives the full KL and -p), the student's as at
+// least that; a top-K mass above 1 + it raises.
+//
 // dL/dlog q_k (to op.backward as the target set's grad_logprobs):
 //   bucket       c_i (-p_k + r_T q_k / r_S)
 //   renormalise  c_i (-p^_k)
@@ -67,6 +72,15 @@ struct distill_result {
 
 namespace loss_detail {
 
+// Below this a top-K's tail, 1 - sum_k p_k, is the rounding of its K
+// log-probs (float log-probs near lse ~ 100 carry about 1e-5 of it; 2-byte
+// ones about 1e-2), not a mass: a teacher's tail there counts as none (so
+// every id of the vocabulary in the set gives the full KL, not the ratio of
+// two roundings), a student's counts as at least this, and a top-K mass above
+// 1 + this raises.
+template <class R>
+inline constexpr double distill_mass_resolution = sizeof(R) <= 2 ? 1e-2 : 1e-5;
+
 // One token's KL and its gradient factors, in double.
 template <class I, class R>
 struct distill_token {
@@ -79,34 +93,51 @@ struct distill_token {
 
   struct row {
     double kl = 0, teacher_mass = 0, student_mass = 0;
-    double tail_ratio = 0;  // bucket: r_T / r_S
+    double log_teacher_mass = 0;  // renormalise: log sum_k p_k, from the largest log-prob (no underflow)
+    double tail_ratio = 0;        // bucket: r_T / r_S
     bool any = false;
   };
 
   LCE_HOST_DEVICE row operator()(std::int64_t i) const {
     row out;
+    double top = -INFINITY;
     for (std::int64_t e = 0; e < k; ++e) {
       if (static_cast<std::int64_t>(ids[i * k + e]) == ignore_index) continue;
       out.any = true;
-      out.teacher_mass += std::exp(static_cast<double>(teacher[i * k + e]));
+      const double lt = static_cast<double>(teacher[i * k + e]);
+      out.teacher_mass += std::exp(lt);
       out.student_mass += std::exp(static_cast<double>(student[i * k + e]));
+      top = lt > top ? lt : top;
     }
     if (!out.any) return out;
-    const double log_mass = std::log(out.teacher_mass);
+    if (tail == distill_tail::renormalise) {
+      // exp(lt) underflows at lt < -745 where exp(lt - top) does not (distill_entry
+      // rejects a top of -inf here: nothing to renormalise).
+      double shifted = 0;
+      for (std::int64_t e = 0; e < k; ++e)
+        if (static_cast<std::int64_t>(ids[i * k + e]) != ignore_index)
+          shifted += std::exp(static_cast<double>(teacher[i * k + e]) - top);
+      out.log_teacher_mass = top + std::log(shifted);
+    }
     for (std::int64_t e = 0; e < k; ++e) {
       if (static_cast<std::int64_t>(ids[i * k + e]) == ignore_index) continue;
       const double lt = static_cast<double>(teacher[i * k + e]), ls = static_cast<double>(student[i * k + e]);
-      const double p = std::exp(lt);
-      if (p == 0.0) continue;  // 0 log 0 = 0
-      out.kl += tail == distill_tail::bucket ? p * (lt - ls) : p / out.teacher_mass * (lt - log_mass - ls);
+      if (tail == distill_tail::bucket) {
+        const double p = std::exp(lt);
+        if (p != 0.0) out.kl += p * (lt - ls);  // 0 log 0 = 0
+      } else {
+        const double log_p = lt - out.log_teacher_mass;
+        const double p = std::exp(log_p);
+        if (p != 0.0) out.kl += p * (log_p - ls);
+      }
     }
     if (tail == distill_tail::bucket) {
+      constexpr double resolution = distill_mass_resolution<R>;
       const double teacher_tail = 1.0 - out.teacher_mass;
-      // The student's tail, kept off 0 so that a teacher tail facing a student
-      // with none gives a large finite KL rather than inf.
-      double student_tail = 1.0 - out.student_mass;
-      if (student_tail < 1e-300) student_tail = 1e-300;
-      if (teacher_tail > 0.0) {
+      if (teacher_tail > resolution) {
+        // A student with (next to) no tail facing a teacher's gives a large finite KL, not inf.
+        double student_tail = 1.0 - out.student_mass;
+        student_tail = student_tail > resolution ? student_tail : resolution;
         out.kl += teacher_tail * (std::log(teacher_tail) - std::log(student_tail));
         out.tail_ratio = teacher_tail / student_tail;
       }
@@ -159,10 +190,10 @@ struct distill_gradient {
     for (std::int64_t e = 0; e < k; ++e) {
       double g = 0;
       if (t.any && static_cast<std::int64_t>(token.ids[i * k + e]) != token.ignore_index) {
-        const double p = std::exp(static_cast<double>(token.teacher[i * k + e]));
+        const double lt = static_cast<double>(token.teacher[i * k + e]);
         g = token.tail == distill_tail::bucket
-                ? -p + t.tail_ratio * std::exp(static_cast<double>(token.student[i * k + e]))
-                : -p / t.teacher_mass;
+                ? -std::exp(lt) + t.tail_ratio * std::exp(static_cast<double>(token.student[i * k + e]))
+                : -std::exp(lt - t.log_teacher_mass);
         g *= c;
       }
       grad[i * k + e] = static_cast<G>(g);
@@ -170,48 +201,64 @@ struct distill_gradient {
   }
 };
 
+// What distill_entry found wrong with a counted token (value_report's `at`
+// is fault * K + the entry).
+enum class distill_fault : std::int64_t {
+  teacher_entry,    // NaN, or a probability above 1
+  student_entry,    // not finite, or a probability above 1
+  repeated_id,      // the entry repeats an earlier id of the token
+  teacher_mass,     // the top-K hold more than 1 + distill_mass_resolution
+  student_mass,     // the same for the student
+  teacher_no_mass,  // renormalise: every teacher log-prob -inf
+};
+
 // The teacher's entries of counted tokens: log-probs <= 0 (or -inf), a top-K
-// mass <= 1; the student's finite; the ids distinct. Reports the first
-// offending token.
+// mass <= 1 (and > 0 to renormalise); the student's finite, its top-K mass
+// <= 1; the ids distinct. Reports the first offending token.
 template <class I, class R>
 struct distill_entry {
   distill_token<I, R> token;
   token_weight<I> w;
-  LCE_HOST_DEVICE value_report operator()(std::int64_t i) const {
+  LCE_HOST_DEVICE value_report fault(std::int64_t i, distill_fault what, std::int64_t e, double value) const {
     value_report r;
-    if (w(i) == 0.0) return r;
-    double mass = 0;
+    r.bad = i;
+    r.at = static_cast<std::int64_t>(what) * token.k + e;
+    r.value = value;
+    return r;
+  }
+  LCE_HOST_DEVICE value_report operator()(std::int64_t i) const {
+    if (w(i) == 0.0) return value_report{};
+    double teacher_mass = 0, student_mass = 0;
+    bool any = false;
     const I* ids = token.ids + i * token.k;
     for (std::int64_t e = 0; e < token.k; ++e) {
       const auto id = static_cast<std::int64_t>(ids[e]);
       if (id == token.ignore_index) continue;
+      any = true;
       // A repeated id would count the student's mass on it twice. K^2 / 2
       // compares per token: nothing beside the token's V H GEMM work.
       for (std::int64_t f = 0; f < e; ++f)
-        if (static_cast<std::int64_t>(ids[f]) == id) {
-          r.bad = i;
-          r.at = 2 * token.k + 1 + e;  // the repeat at entry e
-          r.value = static_cast<double>(id);
-          return r;
-        }
+        if (static_cast<std::int64_t>(ids[f]) == id)
+          return fault(i, distill_fault::repeated_id, e, static_cast<double>(id));
       const double lt = static_cast<double>(token.teacher[i * token.k + e]);
       const double ls = static_cast<double>(token.student[i * token.k + e]);
-      const bool bad_teacher = lt != lt || lt > 1e-6;  // NaN, or a probability above 1
-      const bool bad_student = !finite(ls) || ls > 1e-6;
-      if (bad_teacher || bad_student) {
-        r.bad = i;
-        r.at = bad_teacher ? e : token.k + e;  // which entry: teacher e, or student e (k + e)
-        r.value = bad_teacher ? lt : ls;
-        return r;
-      }
-      mass += std::exp(lt);
+      if (lt != lt || lt > 1e-6) return fault(i, distill_fault::teacher_entry, e, lt);
+      if (!finite(ls) || ls > 1e-6) return fault(i, distill_fault::student_entry, e, ls);
+      teacher_mass += std::exp(lt);
+      student_mass += std::exp(ls);
     }
-    if (mass > 1.0 + 1e-5) {
-      r.bad = i;
-      r.at = 2 * token.k;  // the teacher's top-K mass
-      r.value = mass;
+    if (!any) return value_report{};
+    constexpr double limit = 1.0 + distill_mass_resolution<R>;
+    if (teacher_mass > limit) return fault(i, distill_fault::teacher_mass, 0, teacher_mass);
+    if (student_mass > limit) return fault(i, distill_fault::student_mass, 0, student_mass);
+    if (token.tail == distill_tail::renormalise) {
+      bool all_minus_inf = true;
+      for (std::int64_t e = 0; e < token.k && all_minus_inf; ++e)
+        all_minus_inf = static_cast<std::int64_t>(ids[e]) == token.ignore_index ||
+                        static_cast<double>(token.teacher[i * token.k + e]) == -INFINITY;
+      if (all_minus_inf) return fault(i, distill_fault::teacher_no_mass, 0, 0.0);
     }
-    return r;
+    return value_report{};
   }
 };
 
@@ -264,18 +311,31 @@ distill_result distill_loss(Policy&& exec, const packed_tokens<I, C>& batch, con
     const value_report r = thrust::transform_reduce(exec, idx, idx + n, distill_entry<I, R0>{token, w},
                                                     value_report{}, value_report_plus{});
     if (r.bad != no_index) {
-      if (r.at > 2 * k)
-        detail::fail("ids[", r.bad, ", ", r.at - 2 * k - 1, "] = ", static_cast<std::int64_t>(r.value),
-                     " repeats an earlier id of token ", r.bad, ": a token's K ids must be distinct (a teacher's ",
-                     "top-K are; ignore_index ", batch.ignore_index, " may repeat)");
-      if (r.at == 2 * k)
-        detail::fail("teacher_logprobs: the top-K of token ", r.bad, " hold probability ", r.value,
-                     " > 1 (log-probs of a normalised distribution over the whole vocabulary expected)");
-      if (r.at < k)
-        detail::fail("teacher_logprobs[", r.bad, ", ", r.at, "] = ", r.value,
-                     " is not a log-probability (NaN or > 0) and token ", r.bad, " counts");
-      detail::fail("student_logprobs[", r.bad, ", ", r.at - k, "] = ", r.value,
-                   " is not a finite log-probability and token ", r.bad, " counts");
+      const auto what = static_cast<distill_fault>(r.at / k);
+      const std::int64_t e = r.at % k;
+      const double resolution = distill_mass_resolution<R0>;
+      switch (what) {
+        case distill_fault::teacher_entry:
+          detail::fail("teacher_logprobs[", r.bad, ", ", e, "] = ", r.value,
+                       " is not a log-probability (NaN or > 0) and token ", r.bad, " counts");
+        case distill_fault::student_entry:
+          detail::fail("student_logprobs[", r.bad, ", ", e, "] = ", r.value,
+                       " is not a finite log-probability and token ", r.bad, " counts");
+        case distill_fault::repeated_id:
+          detail::fail("ids[", r.bad, ", ", e, "] = ", static_cast<std::int64_t>(r.value),
+                       " repeats an earlier id of token ", r.bad, ": a token's K ids must be distinct (a teacher's ",
+                       "top-K are; ignore_index ", batch.ignore_index, " may repeat)");
+        case distill_fault::teacher_mass:
+          detail::fail("teacher_logprobs: the top-K of token ", r.bad, " hold probability ", r.value, " > 1 + ",
+                       resolution, " (log-probs of a normalised distribution over the whole vocabulary expected)");
+        case distill_fault::student_mass:
+          detail::fail("student_logprobs: the top-K of token ", r.bad, " hold probability ", r.value, " > 1 + ",
+                       resolution, " (the student's log-probs of the K ids, from the operator's target-set ",
+                       "forward, expected)");
+        case distill_fault::teacher_no_mass:
+          detail::fail("teacher_logprobs: every log-prob of token ", r.bad,
+                       " is -inf: distill_tail::renormalise has no top-K mass to renormalise (bucket takes it)");
+      }
     }
   }
   const std::int64_t* counts = nullptr;

@@ -331,7 +331,7 @@ dpo_result dpo_loss(Policy&& exec, const packed_tokens<I, C>& batch, const dpo_i
   expects(in.pairs.size > 0 || sq.count % 2 == 0, "pairs: empty (consecutive sequences (0, 1), (2, 3), ...) needs an "
           "even number of sequences, got ", sq.count);
   const std::int64_t np = count_pairs(in, sq.count);
-  check_normaliser(normaliser, np, "pair(s)");
+  check_normaliser(normaliser, np, "pair(s)", "count_pairs");
   check_no_alias({bytes_of(in.logprobs, "logprobs"), bytes_of(in.ref_seq_logprobs, "ref_seq_logprobs"),
                   bytes_of(in.pairs, "pairs"), bytes_of(batch.targets, "targets"),
                   bytes_of(batch.cu_seqlens, "cu_seqlens"), bytes_of(batch.weights, "weights")},

@@ -298,10 +298,12 @@ void check_finite_values(Policy&& exec, const char* name, const R* data, seqs<C>
 }
 
 // normaliser: finite, >= 0, and not 0 while this rank has something to normalise.
-inline void check_normaliser(double normaliser, std::int64_t units, const char* what) {
+// `counted_by`: the function that counts them on one rank.
+inline void check_normaliser(double normaliser, std::int64_t units, const char* what,
+                             const char* counted_by = "count_loss_units") {
   check_non_negative("normaliser", normaliser);
   expects(normaliser > 0 || units == 0, "normaliser is 0 but this rank has ", units, " ", what,
-          ": pass the global count (count_loss_units summed by global_token_count), which includes them");
+          ": pass the global count (", counted_by, " summed by global_token_count), which includes them");
 }
 
 // No output may overlap an input or another output (lce::error naming both).

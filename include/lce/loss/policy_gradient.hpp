@@ -71,6 +71,7 @@ template <class R>
 struct pg_token {
   double l = 0, dl = 0;  // l_i without weight, dl_i/dlogp
   double pg = 0, kl = 0, ent = 0;
+  double kl_term = 0;  // kl_coef kl: 0 without the penalty, even where the metric kl is inf
   bool low = false, high = false, dual = false;
   double ratio = 1, old_minus = 0;
 };
@@ -128,8 +129,16 @@ struct pg_math {
       }
     }
     t.ent = ent ? static_cast<double>(ent[i]) : 0.0;
-    t.l = pg + kl_coef * t.kl - entropy_coef * t.ent;
-    t.dl = dpg + kl_coef * dkl;
+    // ref_logprobs may come for the metric alone (kl_coef 0), where k3's exp(ref - logp) may
+    // overflow: 0 inf would make the loss NaN.
+    if (kl_coef > 0) {
+      t.kl_term = kl_coef * t.kl;
+      dkl *= kl_coef;
+    } else {
+      dkl = 0.0;
+    }
+    t.l = pg + t.kl_term - entropy_coef * t.ent;
+    t.dl = dpg + dkl;
     return t;
   }
 };
@@ -166,7 +175,7 @@ struct pg_terms {
     const pg_token<R> t = math(i);
     s.v[0] = sc * t.l;
     s.v[1] = sc * t.pg;
-    s.v[2] = sc * math.kl_coef * t.kl;
+    s.v[2] = sc * t.kl_term;
     s.v[3] = -sc * math.entropy_coef * t.ent;
     s.v[4] = 1;
     s.v[5] = t.low;
@@ -224,7 +233,7 @@ pg_result policy_gradient_loss(Policy&& exec, const packed_tokens<I, C>& batch, 
   check_size("grad_entropy", out.grad_entropy.size, n, "logprobs", opt.entropy_coef == 0, "entropy_coef > 0");
   check_size("seq_loss", out.seq_loss.size, sq.count, "the number of sequences", true);
   check_size("seq_tokens", out.seq_tokens.size, sq.count, "the number of sequences",
-             opt.reduction != loss_reduction::sequence_mean);
+             opt.reduction != loss_reduction::sequence_mean, "sequence_mean");
 
   check_no_alias({bytes_of(in.logprobs, "logprobs"), bytes_of(in.advantages, "advantages"),
                   bytes_of(in.old_logprobs, "old_logprobs"), bytes_of(in.ref_logprobs, "ref_logprobs"),

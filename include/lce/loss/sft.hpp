@@ -238,10 +238,10 @@ sft_result sft_loss(Policy&& exec, const packed_tokens<I, C>& batch, vector_view
   const auto w = weight_of(batch);
   check_finite_values(exec, "logprobs", static_cast<const R0*>(logprobs.data), sq, w);
   check_size("lse", smoothing.lse.size, n, "logprobs", true);
-  if (eps != 0.0 || options.z_loss != 0.0) {
+  if (eps != 0.0 || options.z_loss != 0.0)
     check_size("lse", smoothing.lse.size, n, "logprobs", false, "label_smoothing or z_loss != 0");
-    check_finite_values(exec, "lse", static_cast<const R0*>(smoothing.lse.data), sq, w);
-  }
+  // Read wherever given (lse_square_sum), so checked wherever given.
+  if (smoothing.lse.size) check_finite_values(exec, "lse", static_cast<const R0*>(smoothing.lse.data), sq, w);
   if (eps != 0.0) {
     check_size("mean_logit", smoothing.mean_logit.size, n, "logprobs", false, "label_smoothing");
     check_finite_values(exec, "mean_logit", static_cast<const R0*>(smoothing.mean_logit.data), sq, w);
