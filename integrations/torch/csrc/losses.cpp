@@ -37,7 +37,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <exception>
+#include <sstream>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -128,22 +130,54 @@ lce::loss_reduction parse_reduction(const std::string& r) {
   return lce::loss_reduction::sequence_mean;
 }
 
+// One exchange of verdicts over a group, shared by the losses (their normaliser)
+// and lce_torch.agree_on_group (Python-side checks and settings: linear_cross_entropy,
+// and a loss whose Python wrapper rejects its arguments before the op). Every rank
+// sends {ok, a fingerprint of its call's settings, its count of loss units} in one
+// all-gather of host values on the CPU. A rank that failed returns (and raises its own
+// error); every other rank raises "rank r rejected its arguments", or, where two ranks'
+// settings differ, names its own. So bad input or disagreeing options on one rank raise
+// on every rank, never leaving the others waiting in a later collective or computing
+// with settings of their own. Returns the units summed over the group.
+constexpr std::size_t verdict_fields = 3;
+
+std::int64_t settings_fingerprint(const std::string& settings) {
+  std::uint64_t h = 14695981039346656037ull;  // FNV-1a: the same on every rank and build
+  for (const unsigned char c : settings) h = (h ^ c) * 1099511628211ull;
+  return static_cast<std::int64_t>(h >> 1);
+}
+
+std::int64_t agree_verdicts(const process_group& comm, bool ok, const std::string& settings, std::int64_t units) {
+  const std::int64_t mine[verdict_fields] = {ok ? 1 : 0, ok ? settings_fingerprint(settings) : 0, units};
+  std::vector<std::int64_t> all(verdict_fields * static_cast<std::size_t>(comm.size()));
+  comm.all_gather_host(mine, all.data(), verdict_fields);
+  if (!ok) return 0;
+  const auto of = [&](int rank, std::size_t field) { return all[verdict_fields * static_cast<std::size_t>(rank) + field]; };
+  std::int64_t total = 0;
+  for (int r = 0; r < comm.size(); ++r) {
+    TORCH_CHECK(of(r, 0) == 1, "lce_torch: rank ", r, " rejected its arguments");
+    total += of(r, 2);
+  }
+  for (int r = 0; r < comm.size(); ++r)
+    TORCH_CHECK(of(r, 1) == mine[1], "lce_torch: the call's settings differ across the ranks of group '",
+                comm.name(), "': rank ", comm.rank(), " has ", settings, ", rank ", r,
+                " others (every rank must pass the same options, dtypes and class weights)");
+  return total;
+}
+
 // The normaliser of a loss: prepare() runs the local checks, sets up the
 // call's tensors and returns this rank's count of loss units (tokens,
 // sequences or pairs). A normaliser given explicitly (a constant divisor) is
-// used as it is. Otherwise it is the count, summed over the group: the ranks
-// exchange their verdicts with their counts in one all-gather, so bad input on
-// one rank raises on every rank (the others read "lce_torch: rank r rejected
-// its arguments") instead of leaving them waiting in the collective.
+// used as it is. Otherwise it is the count, summed over the group in
+// agree_verdicts, which also compares the call's `settings` (its options and
+// dtype) across the ranks.
 //
 // With a group, the whole loss also runs once with the local count before the
 // exchange (validate(local count), its results dropped): every check of lce's
 // loss (a NaN log-prob, bad pairs, a bad option) is then part of the verdict.
 template <class Prepare, class Validate>
 double normaliser_of(const std::optional<double>& normaliser, const std::optional<std::string>& group_name,
-                     Prepare&& prepare, Validate&& validate) {
-  TORCH_CHECK_VALUE(!(normaliser && group_name), "lce_torch: pass normaliser (a constant divisor) or group (the ",
-                    "global count of this loss's units), not both");
+                     const std::string& settings, Prepare&& prepare, Validate&& validate) {
   if (!group_name) {
     const std::int64_t units = prepare();
     return normaliser ? *normaliser : static_cast<double>(units);
@@ -151,26 +185,38 @@ double normaliser_of(const std::optional<double>& normaliser, const std::optiona
   std::int64_t units = 0;
   std::exception_ptr failure;
   try {
+    TORCH_CHECK_VALUE(!normaliser, "lce_torch: pass normaliser (a constant divisor) or group (the global count of ",
+                      "this loss's units), not both");
     units = prepare();
     validate(static_cast<double>(units));
   } catch (...) {
     failure = std::current_exception();
   }
-  const process_group comm(*group_name, at::kCPU);
-  if (comm.size() > 1) {
-    const std::int64_t mine[2] = {failure ? 0 : 1, units};
-    std::vector<std::int64_t> all(2 * static_cast<std::size_t>(comm.size()));
-    comm.all_gather_host(mine, all.data(), 2);
-    if (failure) std::rethrow_exception(failure);
-    std::int64_t total = 0;
-    for (int r = 0; r < comm.size(); ++r) {
-      TORCH_CHECK(all[2 * r] == 1, "lce_torch: rank ", r, " rejected its arguments");
-      total += all[2 * r + 1];
-    }
-    return static_cast<double>(total);
+  std::int64_t total = units;
+  try {
+    const process_group comm(*group_name, at::kCPU);
+    if (comm.size() > 1) total = agree_verdicts(comm, !failure, settings, units);
+  } catch (...) {
+    if (failure) std::rethrow_exception(failure);  // this rank's own error says more than the group's
+    throw;
   }
   if (failure) std::rethrow_exception(failure);
-  return static_cast<double>(units);
+  return static_cast<double>(total);
+}
+
+// lce.agree_on_group: a Python wrapper's side of agree_verdicts (no units).
+void agree_on_group(const std::string& group_name, c10::Device device, bool ok, const std::string& settings) {
+  const process_group comm(group_name, device);
+  if (comm.size() > 1) agree_verdicts(comm, ok, settings, 0);
+}
+
+// A call's settings as text, for agree_verdicts (doubles to 17 digits: equal text, equal values).
+template <class... Parts>
+std::string settings_of(const Parts&... parts) {
+  std::ostringstream text;
+  text.precision(17);
+  (text << ... << parts);
+  return text.str();
 }
 
 at::Tensor double_tensor(std::initializer_list<double> values) {
@@ -263,7 +309,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sft_loss(
     mean_v = float_vector(mean_logit, dtype, "mean_logit", "the dtype of logprobs");
     return lce::count_loss_units(thrust::host, b.batch, logp.numel(), opt.reduction);
   };
-  return run(normaliser_of(normaliser, group_name, prepare, run));
+  const std::string settings =
+      settings_of("sft_loss(reduction=", reduction, ", label_smoothing=", label_smoothing, ", ignore_index=", ignore_index,
+                                ", logprobs ", logprobs.scalar_type(), ")");
+  return run(normaliser_of(normaliser, group_name, settings, prepare, run));
 }
 
 // --- DPO ------------------------------------------------------------------------
@@ -312,7 +361,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     // This rank's pairs (lce::count_pairs): the listed ones, or consecutive sequences.
     return pair_list.defined() && pair_list.numel() > 0 ? pair_list.numel() / 2 : b.sequences / 2;
   };
-  return run(normaliser_of(normaliser, group_name, prepare, run));
+  const std::string settings =
+      settings_of("dpo_loss(beta=", beta, ", sft_coef=", sft_coef, ", length_average=", length_average,
+                                ", ignore_index=", ignore_index, ", logprobs ", logprobs.scalar_type(), ")");
+  return run(normaliser_of(normaliser, group_name, settings, prepare, run));
 }
 
 // --- policy gradient ------------------------------------------------------------
@@ -381,7 +433,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_gr
     ent = float_vector(entropy, dtype, "entropy", same);
     return lce::count_loss_units(thrust::host, b.batch, logp.numel(), opt.reduction);
   };
-  return run(normaliser_of(normaliser, group_name, prepare, run));
+  const std::string settings =
+      settings_of("policy_gradient_loss(reduction=", reduction, ", eps_low=", eps_low, ", eps_high=", eps_high,
+                                ", dual_clip=", dual_clip, ", kl_coef=", kl_coef, ", kl=", kl, ", tis_cap=", tis_cap,
+                                ", entropy_coef=", entropy_coef, ", sequence_advantages=", sequence_advantages,
+                                ", ignore_index=", ignore_index, ", logprobs ", logprobs.scalar_type(), ")");
+  return run(normaliser_of(normaliser, group_name, settings, prepare, run));
 }
 
 // --- distillation from a teacher's top-K ------------------------------------------
@@ -465,7 +522,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> distill_l
     }
     return lce::count_loss_units(thrust::host, b.batch, n, opt.reduction);
   };
-  return run(normaliser_of(normaliser, group_name, prepare, run));
+  const std::string settings =
+      settings_of("distill_loss(reduction=", reduction, ", tail=", tail, ", ignore_index=", ignore_index,
+                                ", student_logprobs ", student_logprobs.scalar_type(), ")");
+  return run(normaliser_of(normaliser, group_name, settings, prepare, run));
 }
 
 // CUDA tensors: the losses' inputs are per-token vectors (O(N), far smaller
@@ -503,6 +563,7 @@ void losses_via_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 // A fragment of the `lce` library that register.cpp defines (TORCH_LIBRARY may
 // appear once per namespace).
 TORCH_LIBRARY_FRAGMENT(lce, m) {
+  m.def("agree_on_group(str group_name, Device device, bool ok, str settings) -> ()", &lce_torch::agree_on_group);
   m.def("next_token_targets(Tensor token_ids, Tensor? cu_seqlens=None, *, int ignore_index=-100) -> Tensor",
         lce_torch::op_tags());
   m.def("sequence_logprobs(Tensor logprobs, Tensor? targets=None, Tensor? cu_seqlens=None, Tensor? weights=None, *, "

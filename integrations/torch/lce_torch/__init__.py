@@ -28,9 +28,12 @@ The operators are ``torch.ops.lce.logprobs``, ``torch.ops.lce.logprobs_backward`
 ``built_with_cuda()``; fake kernels and autograd registered, so
 torch.compile(fullgraph=True) traces them).
 """
+import zlib
+
 import torch
 
 from . import _ops  # noqa: F401  (registers fake kernels and autograd)
+from ._losses import _checked_on_group
 from ._losses import (
     DistillResult,
     DPOResult,
@@ -166,14 +169,16 @@ def linear_target_set_logprobs(hidden, weight, ids, *, bias=None, vocab_start=0,
 
 
 def _check_class_weight(class_weight, linear_weight, vocab_start, group):
-    # PyTorch's rule (one weight per class) where this rank sees the whole vocabulary; with a
-    # group, at least up to this shard's end (the ids a target may take here and below).
+    # PyTorch's rule, one weight per class: [V]. With a group every rank scores every token,
+    # so it too needs the whole vocabulary's weights: at least up to this shard's end here,
+    # and the same weights on every rank (their fingerprints are compared) and a weight for
+    # every target (_check_targets_weighted).
     shard_end = int(vocab_start) + linear_weight.shape[0]
     if group is None:
         ok, want = class_weight.dim() == 1 and class_weight.shape[0] == shard_end, f"[V] = [{shard_end}]"
     else:
         ok, want = class_weight.dim() == 1 and class_weight.shape[0] >= shard_end, \
-            f"[V] (the whole vocabulary: at least {shard_end} here)"
+            f"[V] (the whole vocabulary, the same on every rank: at least {shard_end} here)"
     if not ok:
         raise ValueError(f"lce_torch.linear_cross_entropy: weight (class weights) must be {want}, one per class, "
                          f"got {list(class_weight.shape)}")
@@ -185,16 +190,27 @@ def _check_class_weight(class_weight, linear_weight, vocab_start, group):
                          f"with linear_weight, got {class_weight.device}")
 
 
+def _check_targets_weighted(targets, class_weight, ignore_index):
+    if class_weight is None or torch.compiler.is_compiling():
+        return
+    valid = targets != ignore_index
+    outside = valid & ((targets < 0) | (targets >= class_weight.shape[0]))
+    if bool(outside.any()):
+        bad = targets[outside][0].item()
+        raise ValueError(f"lce_torch.linear_cross_entropy: target {bad} has no class weight: weight has "
+                         f"{class_weight.shape[0]} classes (and ignore_index is {ignore_index})")
+
+
+def _class_weight_fingerprint(class_weight):
+    # Its bytes' CRC: equal weights give equal text on every rank, whatever its threads.
+    data = class_weight.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+    return f"{class_weight.dtype} {list(class_weight.shape)} crc32 {zlib.crc32(data):08x}"
+
+
 def _token_weights(targets, class_weight, ignore_index, dtype):
     valid = targets != ignore_index
     if class_weight is None:
         return valid.to(dtype)
-    if not torch.compiler.is_compiling():
-        outside = valid & ((targets < 0) | (targets >= class_weight.shape[0]))
-        if bool(outside.any()):
-            bad = targets[outside][0].item()
-            raise ValueError(f"lce_torch.linear_cross_entropy: target {bad} has no class weight: weight has "
-                             f"{class_weight.shape[0]} classes (and ignore_index is {ignore_index})")
     safe = torch.where(valid, targets, torch.zeros_like(targets)).long()
     return torch.where(valid, class_weight.to(dtype)[safe], torch.zeros((), dtype=dtype, device=targets.device))
 
@@ -275,20 +291,35 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
     backward. Otherwise the forward alone runs, and the backward (if any) is a second
     sweep. ``group`` / ``vocab_start``: tensor parallel, as in ``linear_logprobs``.
     """
-    label_smoothing = float(label_smoothing)
-    if not 0.0 <= label_smoothing <= 1.0:
-        raise ValueError(f"lce_torch.linear_cross_entropy: label_smoothing must be between 0.0 and 1.0, got "
-                         f"{label_smoothing}")
-    if label_smoothing != 0.0 and weight is not None:
-        raise NotImplementedError(
-            "lce_torch.linear_cross_entropy: label_smoothing together with weight (class weights) is not supported: "
-            "PyTorch weights the smoothing term by class (sum_v weight[v] log p_v), which lce does not compute")
-    if reduction not in ("mean", "sum", "none"):
-        raise ValueError(f"lce_torch.linear_cross_entropy: reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if ignore_index is None:
         ignore_index = -100
-    if weight is not None:
-        _check_class_weight(weight, linear_weight, vocab_start, group)
+
+    def check():
+        smoothing = float(label_smoothing)
+        if not 0.0 <= smoothing <= 1.0:
+            raise ValueError(f"lce_torch.linear_cross_entropy: label_smoothing must be between 0.0 and 1.0, got "
+                             f"{smoothing}")
+        if smoothing != 0.0 and weight is not None:
+            raise NotImplementedError(
+                "lce_torch.linear_cross_entropy: label_smoothing together with weight (class weights) is not "
+                "supported: PyTorch weights the smoothing term by class (sum_v weight[v] log p_v), which lce does "
+                "not compute")
+        if reduction not in ("mean", "sum", "none"):
+            raise ValueError(f"lce_torch.linear_cross_entropy: reduction must be 'mean', 'sum' or 'none', got "
+                             f"{reduction!r}")
+        if weight is not None:
+            _check_class_weight(weight, linear_weight, vocab_start, group)
+            _check_targets_weighted(target, weight, ignore_index)
+        return smoothing
+
+    def settings():
+        # What the ranks' shares of one loss must agree on beyond lce's own call (which
+        # compares the shapes, options and targets): how the loss is made from the log-probs.
+        weights = "none" if weight is None else _class_weight_fingerprint(weight)
+        return (f"linear_cross_entropy(reduction={reduction!r}, label_smoothing={float(label_smoothing)!r}, "
+                f"fused={bool(fused)}, weight {weights})")
+
+    label_smoothing = _checked_on_group(group, input.device, check, settings)
     opts = _options(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                     workspace_limit_bytes, group)
     needs_grad = torch.is_grad_enabled() and (input.requires_grad or linear_weight.requires_grad or

@@ -84,6 +84,30 @@ def _group_name(group):
     return group.group_name
 
 
+def _checked_on_group(group, device, prepare, settings=None):
+    """Runs ``prepare()``, this rank's Python-side checks and layout (no collective), and
+    returns what it returns. With a group (outside torch.compile), every rank must learn
+    of a check that raises here, or the others would wait in the op's exchange
+    (lce.agree_on_group takes this rank's part in it: ok False, then its own error
+    raises). ``settings`` (text): exchanged here too, the ranks raising where they differ
+    (linear_cross_entropy, whose op does no exchange of its own for them); None: the op's
+    own exchange follows and compares its settings (the losses)."""
+    if group is None or torch.compiler.is_compiling():
+        return prepare()
+    name = _group_name(group)
+    try:
+        prepared = prepare()
+    except Exception:
+        try:
+            torch.ops.lce.agree_on_group(name, device, False, "")
+        except Exception:  # the group itself failing: this rank's own error says more
+            pass
+        raise
+    if settings is not None:
+        torch.ops.lce.agree_on_group(name, device, True, settings() if callable(settings) else settings)
+    return prepared
+
+
 def _sequence_count(cu_seqlens):
     # lce reads an absent or empty cu_seqlens as one sequence.
     if cu_seqlens is None:
@@ -311,13 +335,17 @@ def sft_loss(logprobs, targets=None, cu_seqlens=None, *, weights=None, ignore_in
     whose ranks each hold a share of the batch: the normaliser is then the global count and
     each rank's loss its share of the global loss (their sum is the one-process loss).
     """
-    layout = _Layout("sft_loss", logprobs, cu_seqlens)
-    dtype = logprobs.dtype
-    out = _ops.sft_loss(layout.tokens(logprobs, "logprobs"), layout.tokens(targets, "targets"), layout.cu_seqlens,
-                        _weights(layout, weights), layout.tokens(lse, "lse", dtype),
-                        layout.tokens(mean_logit, "mean_logit", dtype), ignore_index=int(ignore_index),
-                        reduction=reduction, label_smoothing=float(label_smoothing),
-                        normaliser=_normaliser(normaliser), group_name=_group_name(group))
+    def prepare():
+        layout = _Layout("sft_loss", logprobs, cu_seqlens)
+        dtype = logprobs.dtype
+        return (layout.tokens(logprobs, "logprobs"), layout.tokens(targets, "targets"), layout.cu_seqlens,
+                _weights(layout, weights), layout.tokens(lse, "lse", dtype),
+                layout.tokens(mean_logit, "mean_logit", dtype)), dict(
+                    ignore_index=int(ignore_index), reduction=reduction, label_smoothing=float(label_smoothing),
+                    normaliser=_normaliser(normaliser))
+
+    args, kwargs = _checked_on_group(group, "cpu", prepare)
+    out = _ops.sft_loss(*args, **kwargs, group_name=_group_name(group))
     loss, metrics = out[0], out[4]
     return SFTResult(loss, metrics[0], metrics[1].to(torch.int64), metrics[2].to(torch.int64), metrics[3])
 
@@ -335,30 +363,38 @@ def dpo_loss(logprobs, cu_seqlens=None, *, ref_seq_logprobs=None, ref_logprobs=N
     summed here by ``sequence_logprobs``); exactly one. The normaliser is the number of pairs
     (the global number with ``group``).
     """
-    if (ref_seq_logprobs is None) == (ref_logprobs is None):
-        raise ValueError("lce_torch.dpo_loss: pass exactly one of ref_seq_logprobs (per sequence) and ref_logprobs "
-                         "(per token)")
-    layout = _Layout("dpo_loss", logprobs, cu_seqlens)
-    flat_targets = layout.tokens(targets, "targets")
-    flat_weights = _weights(layout, weights)
-    if ref_logprobs is not None:
-        # The reference's per-token log-probs are summed against the policy's targets:
-        # checked here, so that a short one is named rather than the targets.
-        if tuple(ref_logprobs.shape) != tuple(logprobs.shape):
-            raise ValueError(f"lce_torch.dpo_loss: ref_logprobs has shape {tuple(ref_logprobs.shape)}, logprobs "
-                             f"{tuple(logprobs.shape)}")
-        ref_seq_logprobs, _ = _ops.sequence_logprobs(
-            layout.tokens(ref_logprobs, "ref_logprobs", logprobs.dtype).detach(), flat_targets, layout.cu_seqlens,
-            flat_weights, ignore_index=int(ignore_index), length_average=bool(length_average))
-    if pairs is not None:
-        pairs = torch.as_tensor(pairs)
-        if pairs.numel() != 0 and pairs.dim() != 1 and (pairs.dim() != 2 or pairs.shape[1] != 2):
-            raise ValueError(f"lce_torch.dpo_loss: pairs must be [P, 2] (chosen, rejected) sequence indices or flat "
-                             f"[2 P], got shape {tuple(pairs.shape)}")
-        pairs = pairs.reshape(-1)
+    def prepare():
+        nonlocal ref_seq_logprobs
+        if (ref_seq_logprobs is None) == (ref_logprobs is None):
+            raise ValueError("lce_torch.dpo_loss: pass exactly one of ref_seq_logprobs (per sequence) and "
+                             "ref_logprobs (per token)")
+        layout = _Layout("dpo_loss", logprobs, cu_seqlens)
+        flat_targets = layout.tokens(targets, "targets")
+        flat_weights = _weights(layout, weights)
+        if ref_logprobs is not None:
+            # The reference's per-token log-probs are summed against the policy's targets:
+            # checked here, so that a short one is named rather than the targets.
+            if tuple(ref_logprobs.shape) != tuple(logprobs.shape):
+                raise ValueError(f"lce_torch.dpo_loss: ref_logprobs has shape {tuple(ref_logprobs.shape)}, logprobs "
+                                 f"{tuple(logprobs.shape)}")
+            ref_seq_logprobs, _ = _ops.sequence_logprobs(
+                layout.tokens(ref_logprobs, "ref_logprobs", logprobs.dtype).detach(), flat_targets,
+                layout.cu_seqlens, flat_weights, ignore_index=int(ignore_index), length_average=bool(length_average))
+        pair_list = pairs
+        if pair_list is not None:
+            # A list (empty included: a rank may hold no pair) is of sequence indices.
+            pair_list = pair_list if isinstance(pair_list, torch.Tensor) else torch.as_tensor(pair_list,
+                                                                                             dtype=torch.int64)
+            if pair_list.numel() != 0 and pair_list.dim() != 1 and (pair_list.dim() != 2 or pair_list.shape[1] != 2):
+                raise ValueError(f"lce_torch.dpo_loss: pairs must be [P, 2] (chosen, rejected) sequence indices or "
+                                 f"flat [2 P], got shape {tuple(pair_list.shape)}")
+            pair_list = pair_list.reshape(-1)
+        return (layout.tokens(logprobs, "logprobs"), ref_seq_logprobs.to(torch.float64), flat_targets,
+                layout.cu_seqlens, flat_weights, pair_list)
+
+    args = _checked_on_group(group, "cpu", prepare)
     loss, _, seq_logprobs, _, seq_tokens, metrics = _ops.dpo_loss(
-        layout.tokens(logprobs, "logprobs"), ref_seq_logprobs.to(torch.float64), flat_targets, layout.cu_seqlens,
-        flat_weights, pairs, ignore_index=int(ignore_index), beta=float(beta), sft_coef=float(sft_coef),
+        *args, ignore_index=int(ignore_index), beta=float(beta), sft_coef=float(sft_coef),
         length_average=bool(length_average), normaliser=_normaliser(normaliser), group_name=_group_name(group))
     return DPOResult(loss, metrics[0], metrics[1], metrics[2].to(torch.int64), metrics[3], metrics[4], metrics[5],
                      metrics[6], metrics[7], seq_logprobs, seq_tokens)
@@ -381,18 +417,19 @@ def policy_gradient_loss(logprobs, advantages, cu_seqlens=None, *, old_logprobs=
     "token_mean" (DAPO) or "sequence_mean" (GRPO); normaliser / group as in ``sft_loss``.
     Gradients flow to logprobs and entropy only.
     """
-    layout = _Layout("policy_gradient_loss", logprobs, cu_seqlens)
-    dtype = logprobs.dtype
-    if sequence_advantages:
-        advantages = advantages.to(dtype)
-    else:
-        advantages = layout.tokens(advantages, "advantages", dtype)
+    def prepare():
+        layout = _Layout("policy_gradient_loss", logprobs, cu_seqlens)
+        dtype = logprobs.dtype
+        adv = advantages.to(dtype) if sequence_advantages else layout.tokens(advantages, "advantages", dtype)
+        return (layout.tokens(logprobs, "logprobs"), adv, layout.tokens(old_logprobs, "old_logprobs", dtype),
+                layout.tokens(ref_logprobs, "ref_logprobs", dtype),
+                layout.tokens(generation_logprobs, "generation_logprobs", dtype),
+                layout.tokens(entropy, "entropy", dtype), layout.tokens(targets, "targets"), layout.cu_seqlens,
+                _weights(layout, weights))
+
+    args = _checked_on_group(group, "cpu", prepare)
     loss, _, _, _, m = _ops.policy_gradient_loss(
-        layout.tokens(logprobs, "logprobs"), advantages, layout.tokens(old_logprobs, "old_logprobs", dtype),
-        layout.tokens(ref_logprobs, "ref_logprobs", dtype),
-        layout.tokens(generation_logprobs, "generation_logprobs", dtype), layout.tokens(entropy, "entropy", dtype),
-        layout.tokens(targets, "targets"), layout.cu_seqlens, _weights(layout, weights),
-        ignore_index=int(ignore_index), reduction=reduction, eps_low=float(eps_low), eps_high=float(eps_high),
+        *args, ignore_index=int(ignore_index), reduction=reduction, eps_low=float(eps_low), eps_high=float(eps_high),
         dual_clip=float(dual_clip), kl_coef=float(kl_coef), kl=kl, tis_cap=float(tis_cap),
         entropy_coef=float(entropy_coef), sequence_advantages=bool(sequence_advantages),
         normaliser=_normaliser(normaliser), group_name=_group_name(group))
@@ -421,43 +458,48 @@ def distill_loss(student_logprobs, teacher_logprobs, ids, cu_seqlens=None, *, ta
     of its ids is not ``ignore_index``. reduction ("token_mean" / "sequence_mean"),
     normaliser and group as in ``sft_loss``.
     """
-    fn = "distill_loss"
-    if student_logprobs.dim() == 3:
-        if cu_seqlens is not None:
-            raise ValueError(f"lce_torch.{fn}: a [B, T, K] student_logprobs ({tuple(student_logprobs.shape)}) takes "
-                             f"no cu_seqlens (its rows are the sequences); pass packed [N, K] tensors instead")
-        b, t, k = student_logprobs.shape
-        cu_seqlens = torch.arange(b + 1, dtype=torch.int64, device=student_logprobs.device) * t
-        per_set = (b * t, k)
-        per_token = (b, t)
-    elif student_logprobs.dim() == 2:
-        per_set = tuple(student_logprobs.shape)
-        per_token = None
-    else:
-        raise ValueError(f"lce_torch.{fn}: student_logprobs must be packed [N, K] (with cu_seqlens) or [B, T, K], "
-                         f"got shape {tuple(student_logprobs.shape)}")
+    def prepare():
+        nonlocal cu_seqlens
+        fn = "distill_loss"
+        if student_logprobs.dim() == 3:
+            if cu_seqlens is not None:
+                raise ValueError(f"lce_torch.{fn}: a [B, T, K] student_logprobs ({tuple(student_logprobs.shape)}) takes "
+                                 f"no cu_seqlens (its rows are the sequences); pass packed [N, K] tensors instead")
+            b, t, k = student_logprobs.shape
+            cu_seqlens = torch.arange(b + 1, dtype=torch.int64, device=student_logprobs.device) * t
+            per_set = (b * t, k)
+            per_token = (b, t)
+        elif student_logprobs.dim() == 2:
+            per_set = tuple(student_logprobs.shape)
+            per_token = None
+        else:
+            raise ValueError(f"lce_torch.{fn}: student_logprobs must be packed [N, K] (with cu_seqlens) or [B, T, K], "
+                             f"got shape {tuple(student_logprobs.shape)}")
 
-    def sets(x, name, dtype=None):
-        if per_token is not None:
-            if x.dim() != 3 or tuple(x.shape[:2]) != per_token:
-                raise ValueError(f"lce_torch.{fn}: {name} has shape {tuple(x.shape)}, student_logprobs "
-                                 f"{tuple(student_logprobs.shape)}")
-            x = x.reshape(per_set)
-        return x if dtype is None else x.to(dtype)
+        def sets(x, name, dtype=None):
+            if per_token is not None:
+                if x.dim() != 3 or tuple(x.shape[:2]) != per_token:
+                    raise ValueError(f"lce_torch.{fn}: {name} has shape {tuple(x.shape)}, student_logprobs "
+                                     f"{tuple(student_logprobs.shape)}")
+                x = x.reshape(per_set)
+            return x if dtype is None else x.to(dtype)
 
-    def tokens(x, name, dtype=None):
-        if x is None:
-            return None
-        if per_token is not None:
-            if tuple(x.shape) != per_token:
-                raise ValueError(f"lce_torch.{fn}: {name} has shape {tuple(x.shape)}, expected {per_token}")
-            x = x.reshape(-1)
-        return x if dtype is None else x.to(dtype)
+        def tokens(x, name, dtype=None):
+            if x is None:
+                return None
+            if per_token is not None:
+                if tuple(x.shape) != per_token:
+                    raise ValueError(f"lce_torch.{fn}: {name} has shape {tuple(x.shape)}, expected {per_token}")
+                x = x.reshape(-1)
+            return x if dtype is None else x.to(dtype)
 
-    id_sets = sets(ids, "ids")
+        id_sets = sets(ids, "ids")
+        return (sets(student_logprobs, "student_logprobs"),
+                sets(teacher_logprobs, "teacher_logprobs", student_logprobs.dtype), id_sets,
+                tokens(targets, "targets"), cu_seqlens, tokens(weights, "weights", torch.float32))
+
+    args = _checked_on_group(group, "cpu", prepare)
     loss, _, seq_kl, seq_tokens, m = _ops.distill_loss(
-        sets(student_logprobs, "student_logprobs"), sets(teacher_logprobs, "teacher_logprobs", student_logprobs.dtype),
-        id_sets, tokens(targets, "targets"), cu_seqlens, tokens(weights, "weights", torch.float32),
-        ignore_index=int(ignore_index), reduction=reduction, tail=tail, normaliser=_normaliser(normaliser),
+        *args, ignore_index=int(ignore_index), reduction=reduction, tail=tail, normaliser=_normaliser(normaliser),
         group_name=_group_name(group))
     return DistillResult(loss, m[0], m[1], m[2], m[3].to(torch.int64), m[4], seq_kl, seq_tokens)

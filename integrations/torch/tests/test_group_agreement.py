@@ -1,0 +1,138 @@
+"""Ranks agree or fail together beyond lce's own exchange (gloo, CPU, 2 and 3 processes):
+a check that lce_torch's Python wrappers make on one rank only (class weights, label
+smoothing, a loss's layout, a DPO reference) raises on every rank instead of leaving the
+others waiting in a collective; settings that shape a loss (its reduction, smoothing,
+class weights, a loss's options and dtype) must be the same on every rank, or every rank
+raises naming its own. The group stays usable after each failure."""
+
+import pytest
+import torch
+
+from conftest import init_group, spawn_ranks
+
+N, H, V = 8, 4, 10
+SPLITS = {2: [0, 6, 10], 3: [0, 3, 6, 10]}
+
+
+def _expect(rank, fn, match):
+    """fn() raises on this rank with `match` (a string, or a dict rank -> string, default the rest)."""
+    want = match if isinstance(match, str) else match.get(rank, match.get("others"))
+    try:
+        fn()
+    except (RuntimeError, TypeError, ValueError, NotImplementedError) as e:
+        assert want in str(e), f"rank {rank}: expected {want!r} in: {e}"
+    else:
+        raise AssertionError(f"rank {rank}: no error, expected {want!r}")
+
+
+def _head(rank, world):
+    g = torch.Generator().manual_seed(0)
+    h, w = torch.randn(N, H, generator=g), torch.randn(V, H, generator=g)
+    y = torch.tensor([1, 9, 3, 7, 0, 2, 8, 5])
+    a, b = SPLITS[world][rank], SPLITS[world][rank + 1]
+    return h, w, y, a, b
+
+
+def _cross_entropy_checks(rank, world, group):
+    import lce_torch
+
+    h, w, y, a, b = _head(rank, world)
+    rejected = "lce_torch: rank 0 rejected its arguments"
+
+    def ce(reduction="mean", **kw):
+        hh, ww = h.clone().requires_grad_(), w[a:b].clone().requires_grad_()
+        loss = lce_torch.linear_cross_entropy(hh, ww, y, reduction=reduction, group=group, vocab_start=a, **kw)
+        (loss.sum() if reduction == "none" else loss).backward()
+        return loss
+
+    # Class weights up to each shard's end: target 9 has none on every rank but the last.
+    for reduction in ("mean", "none"):
+        _expect(rank, lambda: ce(reduction, weight=torch.ones(b)),
+                {world - 1: rejected, "others": "target 9 has no class weight"})
+    # A check in Python on rank 0 only.
+    _expect(rank, lambda: ce(label_smoothing=1.5 if rank == 0 else 0.1),
+            {0: "label_smoothing must be between 0.0 and 1.0", "others": rejected})
+    # Settings that differ: every rank raises, naming its own.
+    settings = "the call's settings differ across the ranks"
+    _expect(rank, lambda: ce("mean" if rank == 0 else "sum"), settings)
+    _expect(rank, lambda: ce(label_smoothing=0.1 if rank == 0 else 0.2), settings)
+    _expect(rank, lambda: ce(weight=torch.ones(V) + (rank == world - 1)), settings)
+    _expect(rank, lambda: ce("none" if rank == 0 else "mean"), "reduction='none'" if rank == 0 else "reduction='mean'")
+
+    # Still usable, and right: one process's loss and gradient.
+    cw = torch.linspace(0.5, 1.5, V)
+    for reduction, eps, weight in (("mean", 0.0, cw), ("sum", 0.1, None), ("none", 0.0, cw)):
+        h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()
+        one = torch.nn.functional.cross_entropy(h1 @ w1.T, y, weight=weight, reduction=reduction,
+                                                label_smoothing=eps)
+        (one.sum() if reduction == "none" else one).backward()
+        hh, ww = h.clone().requires_grad_(), w[a:b].clone().requires_grad_()
+        mine = lce_torch.linear_cross_entropy(hh, ww, y, reduction=reduction, group=group, vocab_start=a,
+                                              label_smoothing=eps, weight=weight)
+        (mine.sum() if reduction == "none" else mine).backward()
+        torch.testing.assert_close(mine, one, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(hh.grad, h1.grad, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(ww.grad, w1.grad[a:b], atol=2e-5, rtol=2e-5)
+
+
+def _loss_checks(rank, world, group):
+    import lce_torch
+
+    cu = torch.tensor([0, 3, 7, 8, 12])
+    lp = -torch.linspace(0.1, 2.0, 12, dtype=torch.float64) * (1 + rank)
+    rejected = "lce_torch: rank 0 rejected its arguments"
+    settings = "the call's settings differ across the ranks"
+
+    def sft(**kw):
+        args = dict(cu_seqlens=cu, group=group)
+        args.update(kw)
+        return lce_torch.sft_loss(args.pop("logprobs", lp), None, **args)
+
+    # Python-side checks on rank 0 only.
+    _expect(rank, lambda: sft(logprobs=lp.view(3, 4, 1) if rank == 0 else lp),
+            {0: "logprobs must be packed [N] (with cu_seqlens) or [B, T]", "others": rejected})
+    _expect(rank, lambda: sft(normaliser=10.0 if rank == 0 else None),
+            {0: "pass normaliser (a constant divisor) or group", "others": rejected})
+    bad_cu = torch.tensor([0, 7, 3, 8, 12]) if rank == 0 else cu
+    _expect(rank, lambda: lce_torch.dpo_loss(lp, bad_cu, ref_logprobs=lp - 0.1, group=group),
+            {0: "cu_seqlens", "others": rejected})
+    sets = torch.full((12, 2), -1.0, dtype=torch.float64)
+    ids = torch.tensor([[0, 1]] * 12)
+    kd_cu = cu if rank == 0 else None
+    _expect(rank, lambda: lce_torch.distill_loss(sets.view(3, 4, 2), sets.view(3, 4, 2), ids.view(3, 4, 2), kd_cu,
+                                                 group=group),
+            {0: "takes no cu_seqlens", "others": rejected})
+    # Options or dtypes that differ: every rank raises.
+    _expect(rank, lambda: sft(reduction="token_mean" if rank == 0 else "sequence_mean"), settings)
+    _expect(rank, lambda: sft(logprobs=lp.float() if rank == 0 else lp), settings)
+    _expect(rank, lambda: lce_torch.dpo_loss(lp, cu, ref_logprobs=lp - 0.1, beta=0.1 + rank, group=group), settings)
+    _expect(rank, lambda: lce_torch.policy_gradient_loss(lp, torch.ones(12, dtype=torch.float64), cu,
+                                                         kl="k1" if rank == 0 else "k3", group=group), settings)
+
+    # Still usable, and right: the ranks' losses sum to the loss over every rank's tokens.
+    mine = sft().loss
+    total = mine.detach().clone()
+    torch.distributed.all_reduce(total, group=group)
+    every = torch.cat([-torch.linspace(0.1, 2.0, 12, dtype=torch.float64) * (1 + r) for r in range(world)])
+    assert torch.allclose(total, -every.mean()), (total, -every.mean())
+
+
+def _ranks(rank, world, init_file):
+    torch.set_num_threads(1)
+    group = init_group(rank, world, init_file)
+    _cross_entropy_checks(rank, world, group)
+    _loss_checks(rank, world, group)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_agree_or_fail_together(world):
+    spawn_ranks(_ranks, world)
+
+
+def test_dpo_takes_an_empty_pair_list():
+    import lce_torch
+
+    # A data-parallel rank with no pair passes []: accepted (the pairs are sequence indices).
+    none = torch.zeros(0, dtype=torch.float64)
+    r = lce_torch.dpo_loss(none, torch.tensor([0]), ref_seq_logprobs=none, pairs=[], normaliser=1.0)
+    assert float(r.loss) == 0.0
