@@ -39,8 +39,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <exception>
-#include <sstream>
 #include <optional>
+#include <sstream>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -311,7 +311,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sft_loss(
   };
   const std::string settings =
       settings_of("sft_loss(reduction=", reduction, ", label_smoothing=", label_smoothing, ", ignore_index=", ignore_index,
-                                ", logprobs ", logprobs.scalar_type(), ")");
+                  ", logprobs ", logprobs.scalar_type(), ")");
   return run(normaliser_of(normaliser, group_name, settings, prepare, run));
 }
 
@@ -363,7 +363,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   };
   const std::string settings =
       settings_of("dpo_loss(beta=", beta, ", sft_coef=", sft_coef, ", length_average=", length_average,
-                                ", ignore_index=", ignore_index, ", logprobs ", logprobs.scalar_type(), ")");
+                  ", ignore_index=", ignore_index, ", logprobs ", logprobs.scalar_type(), ")");
   return run(normaliser_of(normaliser, group_name, settings, prepare, run));
 }
 
@@ -435,9 +435,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_gr
   };
   const std::string settings =
       settings_of("policy_gradient_loss(reduction=", reduction, ", eps_low=", eps_low, ", eps_high=", eps_high,
-                                ", dual_clip=", dual_clip, ", kl_coef=", kl_coef, ", kl=", kl, ", tis_cap=", tis_cap,
-                                ", entropy_coef=", entropy_coef, ", sequence_advantages=", sequence_advantages,
-                                ", ignore_index=", ignore_index, ", logprobs ", logprobs.scalar_type(), ")");
+                  ", dual_clip=", dual_clip, ", kl_coef=", kl_coef, ", kl=", kl, ", tis_cap=", tis_cap,
+                  ", entropy_coef=", entropy_coef, ", sequence_advantages=", sequence_advantages,
+                  ", ignore_index=", ignore_index, ", logprobs ", logprobs.scalar_type(), ")");
   return run(normaliser_of(normaliser, group_name, settings, prepare, run));
 }
 
@@ -524,7 +524,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> distill_l
   };
   const std::string settings =
       settings_of("distill_loss(reduction=", reduction, ", tail=", tail, ", ignore_index=", ignore_index,
-                                ", student_logprobs ", student_logprobs.scalar_type(), ")");
+                  ", student_logprobs ", student_logprobs.scalar_type(), ")");
   return run(normaliser_of(normaliser, group_name, settings, prepare, run));
 }
 
