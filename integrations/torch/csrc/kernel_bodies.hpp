@@ -14,6 +14,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <optional>
 #include <tuple>
 #include <type_traits>
@@ -55,6 +56,15 @@ struct row_term_gradients {
     if (mean_logit.defined()) mean_logit = mean_logit.masked_fill(rows, 0);
   }
 };
+
+// ids == ignore_index. An int32 tensor compared with an int64 scalar would wrap the scalar to
+// int32 (2^32 + 5 matching id 5); an ignore_index outside int32 ids' range matches none, as in lce.
+inline at::Tensor equals_ignore_index(const at::Tensor& ids, std::int64_t ignore_index) {
+  if (ids.scalar_type() == at::kInt && (ignore_index < std::numeric_limits<std::int32_t>::min() ||
+                                        ignore_index > std::numeric_limits<std::int32_t>::max()))
+    return at::zeros(ids.sizes(), ids.options().dtype(at::kBool));
+  return ids == ignore_index;
+}
 
 // lce gives ignored tokens no gradient at all, but their lse is real: the backward hands
 // lce those rows (bool `ignored`) with a valid target, the same id on every rank so that the
@@ -121,7 +131,7 @@ std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor>()> kernels<TorchT, 
   at::Tensor gl = per_token(grad_logprobs, rt, n, "grad_logprobs", device);
   row_term_gradients terms(grad_entropy, grad_lse, grad_mean_logit, rt, n, device);
   if (terms.lse.defined() && n > 0) {
-    const at::Tensor ignored = y == c.ignore_index;
+    const at::Tensor ignored = equals_ignore_index(y, c.ignore_index);
     if (const auto stand_in = lse_stand_in(ignored, terms.lse, c, w.rows)) {
       y = y.masked_fill(ignored, *stand_in);
       gl = gl.masked_fill(ignored, 0);
@@ -239,7 +249,7 @@ std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor>()> kernels<TorchT, 
   row_term_gradients terms(grad_entropy, grad_lse, grad_mean_logit, rt, n, device);
   if (terms.lse.defined() && n > 0 && y.k > 0) {
     // As in backward above, for a token whose K ids are all ignored: its first id is the stand-in.
-    const at::Tensor ignored = (y.tensor == c.ignore_index).all(1);
+    const at::Tensor ignored = equals_ignore_index(y.tensor, c.ignore_index).all(1);
     if (const auto stand_in = lse_stand_in(ignored, terms.lse, c, w.rows)) {
       at::Tensor first = y.tensor.select(1, 0).masked_fill(ignored, *stand_in);
       y.tensor = y.tensor.clone();

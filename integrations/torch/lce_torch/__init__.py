@@ -33,6 +33,7 @@ import zlib
 import torch
 
 from . import _ops  # noqa: F401  (registers fake kernels and autograd)
+from ._ops import refuse_forward_ad
 from ._losses import _checked_on_group
 from ._losses import (
     DistillResult,
@@ -119,6 +120,7 @@ def linear_logprobs(hidden, weight, targets, *, bias=None, vocab_start=0, ignore
     ``sequence_parallel``: its own rows of hidden, all targets); the hidden gradient
     is summed over the group (the same on every rank).
     """
+    refuse_forward_ad("linear_logprobs", hidden, weight, bias)
     opts = _options(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                     workspace_limit_bytes, group)
     logp, lse, ent, mean = torch.ops.lce.logprobs(hidden, weight, targets, bias, with_entropy=with_entropy,
@@ -154,6 +156,7 @@ def linear_target_set_logprobs(hidden, weight, ids, *, bias=None, vocab_start=0,
     (each rank its shard of the vocabulary; every rank the same ids).
     Contiguous ids and hidden are used in place (no copy).
     """
+    refuse_forward_ad("linear_target_set_logprobs", hidden, weight, bias)
     opts = _options(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                     workspace_limit_bytes, group)
     logp, lse, ent, mean = torch.ops.lce.target_set_logprobs(hidden, weight, ids, bias, with_entropy=with_entropy,
@@ -190,10 +193,21 @@ def _check_class_weight(class_weight, linear_weight, vocab_start, group):
                          f"with linear_weight, got {class_weight.device}")
 
 
+def _counted(targets, ignore_index):
+    # targets != ignore_index. A tensor compared with an int wraps the int to the tensor's dtype
+    # (int32 targets and 2**32 + 5 would match id 5); one outside the targets' range matches none.
+    # (Targets of another dtype reach lce's own check, which names the dtypes it takes.)
+    if targets.dtype in (torch.int32, torch.int64):
+        info = torch.iinfo(targets.dtype)
+        if not info.min <= ignore_index <= info.max:
+            return torch.ones_like(targets, dtype=torch.bool)
+    return targets != ignore_index
+
+
 def _check_targets_weighted(targets, class_weight, ignore_index):
     if class_weight is None or torch.compiler.is_compiling():
         return
-    valid = targets != ignore_index
+    valid = _counted(targets, ignore_index)
     outside = valid & ((targets < 0) | (targets >= class_weight.shape[0]))
     if bool(outside.any()):
         bad = targets[outside][0].item()
@@ -208,10 +222,12 @@ def _class_weight_fingerprint(class_weight):
 
 
 def _token_weights(targets, class_weight, ignore_index, dtype):
-    valid = targets != ignore_index
+    valid = _counted(targets, ignore_index)
     if class_weight is None:
         return valid.to(dtype)
-    safe = torch.where(valid, targets, torch.zeros_like(targets)).long()
+    # Clamped, so that a target without a class weight reaches lce's own check (which names it)
+    # where _check_targets_weighted cannot run (torch.compile), not an out-of-bounds gather.
+    safe = torch.where(valid, targets, torch.zeros_like(targets)).long().clamp(0, class_weight.shape[0] - 1)
     return torch.where(valid, class_weight.to(dtype)[safe], torch.zeros((), dtype=dtype, device=targets.device))
 
 
@@ -242,6 +258,9 @@ class _FusedCrossEntropy(torch.autograd.Function):
             logp, grad_hidden, grad_weight, lse, mean, grad_bias = torch.ops.lce.logprobs_forward_backward(
                 hidden, weight, targets, grad, grad_lse, grad_mean, bias, with_mean_logit=True, **opts)
             loss = (grad * logp + grad_lse * lse + grad_mean * mean).sum()
+        if reduction == "mean":
+            # No tokens at all: the sum above is 0, where the mean over none is 0 / 0 (PyTorch's NaN).
+            loss = torch.where(denom == 0, torch.full_like(loss, float("nan")), loss)
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         return loss.to(hidden.dtype)
 
@@ -254,7 +273,20 @@ class _FusedCrossEntropy(torch.autograd.Function):
             raise NotImplementedError(
                 "lce_torch: linear_cross_entropy's one-sweep gradients are not differentiable themselves (no double "
                 "backward, create_graph=True)")
-        grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        if ctx.needs_input_grad[4]:
+            raise NotImplementedError(
+                "lce_torch.linear_cross_entropy: no gradient for weight (the class weights) in the one-sweep path, "
+                "as in F.cross_entropy: pass them detached, or fused=False to differentiate them")
+        try:
+            grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
+        except RuntimeError as e:
+            if "modified by an inplace operation" not in str(e):
+                raise
+            raise RuntimeError(
+                "lce_torch.linear_cross_entropy: a gradient that an earlier backward of this loss returned "
+                "(retain_graph=True) was modified in place: the one-sweep path hands out its stored gradients "
+                "as they are (no copy of [V, H]); clone a gradient before changing it in place, or pass "
+                "fused=False") from e
         g = grad_loss.to(torch.float64 if grad_hidden.dtype == torch.float64 else torch.float32)
         if not torch.compiler.is_compiling() and bool(g == 1):
             # loss.backward(): the stored gradients as they are, no second [V, H] buffer
@@ -291,6 +323,7 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
     backward. Otherwise the forward alone runs, and the backward (if any) is a second
     sweep. ``group`` / ``vocab_start``: tensor parallel, as in ``linear_logprobs``.
     """
+    refuse_forward_ad("linear_cross_entropy", input, linear_weight, linear_bias)
     if ignore_index is None:
         ignore_index = -100
 

@@ -19,6 +19,8 @@ import torch
 
 from . import _C  # noqa: F401  (loads the library: registers torch.ops.lce.*)
 
+from ._ops import refuse_forward_ad
+
 _ops = torch.ops.lce
 
 
@@ -169,7 +171,12 @@ def _distill_loss_fake(student_logprobs, teacher_logprobs, ids, targets=None, cu
 # ---- autograd: the stored C++ gradients times the incoming scalar --------------
 
 
-def _scaled(grad_loss, grad):
+def _scaled(loss, grad_loss, grad):
+    # The stored gradient is a constant to autograd: differentiated again (create_graph=True)
+    # this product would give a second derivative of 0, so that raises instead.
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        raise NotImplementedError(f"lce_torch.{loss}: its gradient is computed in its forward and is not "
+                                  f"differentiable itself (no double backward, create_graph=True)")
     return grad_loss.to(grad.dtype) * grad
 
 
@@ -189,11 +196,11 @@ def _sft_setup_context(ctx, inputs, keyword_only_inputs, output):
 def _sft_backward(ctx, grad_loss, *unused):
     grad_logprobs, grad_lse, grad_mean_logit = ctx.saved_tensors
     return (
-        _scaled(grad_loss, grad_logprobs) if _needs(ctx, 0) else None,
+        _scaled("sft_loss", grad_loss, grad_logprobs) if _needs(ctx, 0) else None,
         None, None, None,
         # Without label smoothing the loss does not depend on lse or the mean logit.
-        _scaled(grad_loss, grad_lse) if _needs(ctx, 4) and ctx.smoothing else None,
-        _scaled(grad_loss, grad_mean_logit) if _needs(ctx, 5) and ctx.smoothing else None,
+        _scaled("sft_loss", grad_loss, grad_lse) if _needs(ctx, 4) and ctx.smoothing else None,
+        _scaled("sft_loss", grad_loss, grad_mean_logit) if _needs(ctx, 5) and ctx.smoothing else None,
     )
 
 
@@ -209,7 +216,8 @@ def _dpo_setup_context(ctx, inputs, keyword_only_inputs, output):
 def _dpo_backward(ctx, grad_loss, *unused):
     (grad_logprobs,) = ctx.saved_tensors
     # The reference's log-probs are constants of the loss (no gradient to ref_seq_logprobs).
-    return (_scaled(grad_loss, grad_logprobs) if _needs(ctx, 0) else None, None, None, None, None, None)
+    grad = _scaled("dpo_loss", grad_loss, grad_logprobs) if _needs(ctx, 0) else None
+    return (grad, None, None, None, None, None)
 
 
 torch.library.register_autograd("lce::dpo_loss", _dpo_backward, setup_context=_dpo_setup_context)
@@ -226,9 +234,9 @@ def _pg_backward(ctx, grad_loss, *unused):
     grad_logprobs, grad_entropy = ctx.saved_tensors
     # advantages, old / reference / generation log-probs are constants of the loss.
     return (
-        _scaled(grad_loss, grad_logprobs) if _needs(ctx, 0) else None,
+        _scaled("policy_gradient_loss", grad_loss, grad_logprobs) if _needs(ctx, 0) else None,
         None, None, None, None,
-        _scaled(grad_loss, grad_entropy) if _needs(ctx, 5) and ctx.has_entropy else None,
+        _scaled("policy_gradient_loss", grad_loss, grad_entropy) if _needs(ctx, 5) and ctx.has_entropy else None,
         None, None, None,
     )
 
@@ -245,7 +253,8 @@ def _distill_setup_context(ctx, inputs, keyword_only_inputs, output):
 def _distill_backward(ctx, grad_loss, *unused):
     (grad_logprobs,) = ctx.saved_tensors
     # The teacher's log-probs are constants of the loss (no gradient to them).
-    return (_scaled(grad_loss, grad_logprobs) if _needs(ctx, 0) else None, None, None, None, None, None)
+    grad = _scaled("distill_loss", grad_loss, grad_logprobs) if _needs(ctx, 0) else None
+    return (grad, None, None, None, None, None)
 
 
 torch.library.register_autograd("lce::distill_loss", _distill_backward, setup_context=_distill_setup_context)
@@ -259,6 +268,7 @@ class _Layout:
     flattened to the packed form; per-token inputs follow logprobs' layout."""
 
     def __init__(self, fn, logprobs, cu_seqlens):
+        refuse_forward_ad(fn, logprobs)
         self.fn = fn
         self.shape = tuple(logprobs.shape)
         if logprobs.dim() == 2:
@@ -277,6 +287,7 @@ class _Layout:
         """A per-token tensor as [N] (in dtype); None stays None."""
         if t is None:
             return None
+        refuse_forward_ad(self.fn, t)
         if len(self.shape) == 2:
             if tuple(t.shape) != self.shape:
                 raise ValueError(f"lce_torch.{self.fn}: {name} has shape {tuple(t.shape)}, logprobs {self.shape}")

@@ -32,6 +32,19 @@ OPTION_NAMES = (
 )
 
 
+def refuse_forward_ad(fn, *tensors):
+    """Raises where a tensor carries a forward-mode tangent (torch.func.jvp, jacfwd,
+    torch.autograd.forward_ad): lce's ops have no forward-mode rule, and PyTorch would drop
+    the tangent of a custom op without one silently (a Jacobian of zeros)."""
+    if torch.compiler.is_compiling():
+        return
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and torch.autograd.forward_ad.unpack_dual(t).tangent is not None:
+            raise NotImplementedError(
+                f"lce_torch.{fn}: no forward-mode AD (torch.func.jvp, jacfwd, torch.autograd.forward_ad); use "
+                f"reverse mode (backward(), torch.autograd.grad, torch.autograd.functional.jacobian)")
+
+
 def _result_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
