@@ -193,7 +193,7 @@ inline collective_counts expected_collectives(call_kind kind, const call_shape& 
   (void)shards_unknown;  // one exchange per call, whether or not the shards changed
   e.all_agree = 0;
   e.all_gather_host = 1;
-  e.host_values = 12;
+  e.host_values = 15;  // the call record (agreement.hpp)
   const std::int64_t local_tokens = sp ? s.n_tokens / p : s.n_tokens;
   const std::int64_t local_chunk = std::clamp<std::int64_t>(sp ? s.chunk_tokens / p : s.chunk_tokens, 1,
                                                             std::max<std::int64_t>(local_tokens, 1));

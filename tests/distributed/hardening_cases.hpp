@@ -2,6 +2,8 @@
 // (test_threads.cpp, test_mpi.cpp), like those of distributed_cases.hpp:
 //
 //   check_options_disagree          ranks with different options or targets -> lce::error on every rank
+//   check_what_only_the_exchange_tells  an element type of its own on one rank, a soft-cap of -0 beside 0,
+//                                   targets that pass the hash but leave the vocabulary on one rank
 //   check_resources_may_differ<T>   ranks with different budgets, chunks and threads: one agreed chunk,
 //                                   results against the long-double reference (not a library run)
 //   check_failure_on_one_rank       a view rejected, a workspace allocation failing, a GEMM integer range
@@ -281,6 +283,97 @@ void check_options_disagree(const Comm& comm) {
                   "rank " << rank << ": a grad_bias on one rank only: got \"" << backward_message << "\"");
     CHECK_MESSAGE((all_equal(gh, untouched) && all_equal(gw, 0.0f) && all_equal(gb, untouched)),
                   "rank " << rank << ", a grad_bias on one rank only: gradients were written");
+  }
+}
+
+// What a rank's own checks cannot tell and the exchange must: the element type (one rank
+// instantiated on double beside float ones would gather rows of another size), a soft-cap of
+// -0 beside 0 (both "none": no disagreement), and targets crafted to pass the hash whose ids
+// leave the vocabulary on one rank only (that rank's range check would raise alone and leave
+// the others waiting in the sweep's collectives).
+template <class Comm>
+void check_what_only_the_exchange_tells(const Comm& comm) {
+  const int ranks = comm.size(), rank = comm.rank();
+  if (ranks == 1) return;
+  const std::int64_t n = 12, h = 8, vocab = 60;
+  const auto [v0, vr] = shard_of(vocab, ranks, rank, 0);
+  const auto p = lce_test::make_problem(n, h, vocab, 78, lce_test::round_to_float, 1.0, 1.0, 0.1);
+  const int odd = ranks - 1;
+  lce::options o;
+  o.vocab_start = v0;
+  const auto x = to_floats(p.x);
+  const auto w = to_floats(std::vector<double>(p.w.begin() + v0 * h, p.w.begin() + (v0 + vr) * h));
+  const auto Y = lce::vector_view<const std::int64_t>{p.y.data(), n};
+  constexpr float untouched = 4321.0f;
+  {
+    std::vector<float> lp(n, untouched), lse(n, untouched);
+    std::vector<double> lp_double(n, untouched), lse_double(n, untouched);
+    const std::string message = error_of([&] {
+      if (rank == odd) {
+        lce::ChunkedHiddenToLogprobs<Comm, double> op(comm, o, lce::host{1});
+        const std::vector<double> wd(w.begin(), w.end());
+        op.forward(lce::matrix_view<const double>{p.x.data(), n, h}, lce::matrix_view<const double>{wd.data(), vr, h},
+                   Y, lce::vector_view<double>{lp_double.data(), n}, lce::vector_view<double>{lse_double.data(), n});
+      } else {
+        lce::ChunkedHiddenToLogprobs<Comm, float> op(comm, o, lce::host{1});
+        op.forward(lce::matrix_view<const float>{x.data(), n, h}, lce::matrix_view<const float>{w.data(), vr, h}, Y,
+                   lce::vector_view<float>{lp.data(), n}, lce::vector_view<float>{lse.data(), n});
+      }
+    });
+    const std::string expected = "the element type differs across ranks: rank 0 has float (computing in float), rank " +
+                                 std::to_string(odd) + " has double (computing in double)";
+    CHECK_MESSAGE(contains(message, expected), "rank " << rank << ": float beside double: got \"" << message << "\"");
+    CHECK_MESSAGE((all_equal(lp, untouched) && all_equal(lse, untouched) && all_equal(lp_double, 4321.0) &&
+                   all_equal(lse_double, 4321.0)),
+                  "rank " << rank << ", float beside double: outputs were written");
+  }
+  {
+    lce::options negative_zero = o;
+    if (rank == odd) negative_zero.softcap = -0.0f;
+    std::vector<float> lp(n), lse(n), want(n), want_lse(n);
+    lce::ChunkedHiddenToLogprobs<Comm, float> op(comm, negative_zero, lce::host{1}), plain(comm, o, lce::host{1});
+    const auto X = lce::matrix_view<const float>{x.data(), n, h};
+    const auto W = lce::matrix_view<const float>{w.data(), vr, h};
+    const std::string message = error_of([&] {
+      op.forward(X, W, Y, lce::vector_view<float>{lp.data(), n}, lce::vector_view<float>{lse.data(), n});
+    });
+    CHECK_MESSAGE(message.empty(), "rank " << rank << ": a soft-cap of -0 beside 0: got \"" << message << "\"");
+    plain.forward(X, W, Y, lce::vector_view<float>{want.data(), n}, lce::vector_view<float>{want_lse.data(), n});
+    CHECK((lp == want && lse == want_lse));
+  }
+  {
+    // The odd rank's last two ids differ from the others' and leave the hash as it is: the
+    // hash mixes each id into its state as f((state ^ id) K), a bijection of the state, so
+    // with a first id of its own, a second of X = mix(s, a) ^ mix(s, b) ^ y lands on the same state.
+    std::vector<std::int64_t> y = p.y;
+    if (rank == odd) {
+      const auto mix = [](std::uint64_t state, std::int64_t id) {
+        state ^= static_cast<std::uint64_t>(id);
+        state *= 0xBF58476D1CE4E5B9ull;
+        return state ^ state >> 31;
+      };
+      std::uint64_t state = 0x9E3779B97F4A7C15ull ^ static_cast<std::uint64_t>(n);
+      for (std::int64_t i = 0; i < n - 2; ++i) state = mix(state, y[i]);
+      const std::int64_t own = (y[n - 2] + 1) % vocab;
+      y[n - 1] = static_cast<std::int64_t>(mix(state, own) ^ mix(state, y[n - 2])) ^ y[n - 1];
+      y[n - 2] = own;
+      const auto theirs = lce::detail::scan_targets_on_host(Y, -100);
+      const auto mine = lce::detail::scan_targets_on_host(lce::vector_view<const std::int64_t>{y.data(), n}, -100);
+      REQUIRE(mine.hash == theirs.hash);  // the construction above still collides
+      REQUIRE((y[n - 1] < 0 || y[n - 1] >= vocab));
+    }
+    lce::ChunkedHiddenToLogprobs<Comm, float> op(comm, o, lce::host{1});
+    std::vector<float> lp(n, untouched), lse(n, untouched);
+    const std::string message = error_of([&] {
+      op.forward(lce::matrix_view<const float>{x.data(), n, h}, lce::matrix_view<const float>{w.data(), vr, h},
+                 lce::vector_view<const std::int64_t>{y.data(), n}, lce::vector_view<float>{lp.data(), n},
+                 lce::vector_view<float>{lse.data(), n});
+    });
+    const std::string expected = rank == odd ? "targets[" + std::to_string(n - 1) + "] = " : "another rank's ids reach ";
+    CHECK_MESSAGE((contains(message, expected) && contains(message, "outside the vocabulary [0, 60)")),
+                  "rank " << rank << ": colliding targets out of range on one rank: got \"" << message << "\"");
+    CHECK_MESSAGE((all_equal(lp, untouched) && all_equal(lse, untouched)),
+                  "rank " << rank << ", colliding targets: outputs were written");
   }
 }
 

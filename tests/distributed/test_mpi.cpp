@@ -60,6 +60,10 @@ TEST_CASE("agreement: ranks with other options or targets raise lce::error on ev
   lce_hard::check_options_disagree(world());
 }
 
+TEST_CASE("agreement: element types, a soft-cap of -0 and colliding targets, told by the exchange (mpi)") {
+  lce_hard::check_what_only_the_exchange_tells(world());
+}
+
 TEST_CASE_TEMPLATE("agreement: ranks with other budgets, chunks and threads agree on one chunk (mpi)", T, float,
                    lce::bfloat16) {
   lce_hard::check_resources_may_differ<T>(world());

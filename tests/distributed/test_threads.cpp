@@ -137,6 +137,14 @@ TEST_CASE("agreement: ranks with other options or targets raise lce::error on ev
   }
 }
 
+TEST_CASE("agreement: element types, a soft-cap of -0 and colliding targets, told by the exchange (threads)") {
+  for (int ranks = 2; ranks <= max_ranks; ++ranks) {
+    CAPTURE(ranks);
+    lce_dist::run_on_threads(ranks, [](lce::comm::threads comm) { lce_hard::check_what_only_the_exchange_tells(comm); },
+                             std::chrono::seconds(30));
+  }
+}
+
 TEST_CASE_TEMPLATE("agreement: ranks with other budgets, chunks and threads agree on one chunk (threads)", T, float,
                    lce::bfloat16) {
   for (int ranks = 1; ranks <= 3; ++ranks) {

@@ -441,6 +441,41 @@ TEST_CASE("hardening: float with a float grad_weight holds no V x H accumulator"
   CHECK(op.held_workspace_bytes() == 0);
 }
 
+// A forward_backward that writes a grad_weight of the compute type over keeps its logits there
+// (one rank): its plan may hold more than the one a call without that takes (the vocabulary
+// order for 2-byte inputs, or a starved float call's), and workspace_bytes still bounds it.
+template <class T>
+void kept_logits_within_workspace_bytes(std::int64_t n, std::int64_t h, std::int64_t v, std::size_t limit) {
+  CAPTURE(sizeof(T));
+  CAPTURE(n);
+  CAPTURE(h);
+  CAPTURE(v);
+  CAPTURE(limit);
+  const auto p = make_problem(n, h, v, 91, round_to<T>, 1.0, 1.0, 0.1);
+  const auto X = make_matrix<T>(p.x, n, h);
+  const auto W = make_matrix<T>(p.w, v, h);
+  const auto Y = make_targets<std::int64_t>(p.y);
+  using C = lce::compute_t<T>;
+  const vector_buf<C> G(random_vector(n, 3, -1.0, 1.0, round_to_float));
+  lce::options options;
+  options.overwrite_weight_gradients = true;
+  options.workspace_limit_bytes = limit;
+  auto op = make_op<T>(options, 1);
+  vector_buf<C> lp(n);
+  matrix_buf<C> gh(n, h), gw(v, h);
+  op.forward_backward(X.cview(), W.cview(), Y.cview(), G.cview(), lp.view(), gh.view(), gw.view());
+  CAPTURE(op.held_workspace_bytes());
+  CHECK(op.held_workspace_bytes() <= op.workspace_bytes(n, h, v));
+}
+
+TEST_CASE("hardening: workspace_bytes bounds a forward_backward that keeps its logits in a float grad_weight") {
+  kept_logits_within_workspace_bytes<lce::bfloat16>(32, 64, 10000, std::size_t{256} << 20);
+  kept_logits_within_workspace_bytes<lce::bfloat16>(64, 128, 10000, std::size_t{256} << 20);
+  kept_logits_within_workspace_bytes<lce::float16>(65, 64, 4097, 5985650);
+  kept_logits_within_workspace_bytes<float>(128, 128, 10000, 3200000);
+  kept_logits_within_workspace_bytes<double>(64, 128, 10000, 1600000);
+}
+
 // ---------------------------------------------------------------------------
 // 5. Size arithmetic: no wrap, no UB, negative sizes named.
 // ---------------------------------------------------------------------------

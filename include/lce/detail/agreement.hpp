@@ -11,13 +11,16 @@
 // in a collective; no rank computes with another's settings.
 
 #include <lce/comm/communicator.hpp>
+#include <lce/core/backend.hpp>
 #include <lce/core/config.hpp>
+#include <lce/core/dtypes.hpp>
 #include <lce/core/error.hpp>
 #include <lce/core/options.hpp>
 #include <lce/core/views.hpp>
 
 #include <algorithm>
 #include <bit>
+#include <concepts>
 #include <cstddef>
 #include <cstdint>
 #include <sstream>
@@ -75,9 +78,33 @@ inline std::string describe_call(std::int64_t call) {
   return text + ")";
 }
 
+// The element types of a call, T and its compute type, as one code (element_types_code): ranks
+// whose types differ would gather rows of one size into buffers of another, or read bf16 bytes
+// as fp16.
+inline constexpr const char* element_type_names[] = {"?", "float", "double", "bfloat16", "float16"};
+
+template <class E>
+constexpr std::int64_t element_type_code() {
+  if constexpr (std::same_as<E, float>) return 1;
+  if constexpr (std::same_as<E, double>) return 2;
+  if constexpr (std::same_as<E, bfloat16>) return 3;
+  if constexpr (std::same_as<E, float16>) return 4;
+  return 0;
+}
+
+template <class T, class Compute>
+constexpr std::int64_t element_types_code() {
+  return element_type_code<T>() | element_type_code<Compute>() << 4;
+}
+
+inline std::string describe_element_types(std::int64_t code) {
+  const auto name = [](std::int64_t c) { return element_type_names[c >= 0 && c <= 4 ? c : 0]; };
+  return std::string(name(code & 0xf)) + " (computing in " + name(code >> 4 & 0xf) + ")";
+}
+
 // What one rank tells the others about a call (host values).
 struct call_record {
-  static constexpr std::int64_t values = 12;
+  static constexpr std::int64_t values = 15;
 
   std::int64_t ok = 0;  // 1: this rank's own checks and workspace passed
   std::int64_t n_tokens = 0;
@@ -91,23 +118,43 @@ struct call_record {
   std::int64_t softcap_bits = 0;
   std::int64_t call = 0;  // which call (call_kind): every rank must make the same one
   std::int64_t targets_hash = 0;
+  std::int64_t element_types = 0;  // element_types_code<T, Compute>
+  // The extremes of its ids other than ignore_index (highest < lowest: none), so that a rank
+  // whose ids pass the hash but not the range cannot raise alone.
+  std::int64_t targets_lowest = 0;
+  std::int64_t targets_highest = -1;
 };
 static_assert(sizeof(call_record) == call_record::values * sizeof(std::int64_t));
 
-inline std::int64_t float_bits(float value) { return std::bit_cast<std::int32_t>(value); }
+// -0 as 0: the options take them alike (a soft-cap of -0 is none, as 0 is).
+inline std::int64_t float_bits(float value) { return value == 0.0f ? 0 : std::bit_cast<std::int32_t>(value); }
 inline float float_from_bits(std::int64_t bits) { return std::bit_cast<float>(static_cast<std::int32_t>(bits)); }
 
 // A 64-bit fingerprint of the targets, over their values as int64 (int32 and
-// int64 targets of the same ids agree). One multiply per token.
+// int64 targets of the same ids agree), and the extremes of the ids other than
+// ignore_index, in one pass on the host. One multiply per token. The hash tells
+// mistakes apart (targets of another batch, order or length), not a crafted
+// colliding list: that would still be refused where its ids leave the vocabulary.
 template <class Index>
-std::int64_t targets_hash(const vector_view<const Index>& targets) {
+target_scan scan_targets_on_host(const vector_view<const Index>& targets, std::int64_t ignore_index) {
+  target_scan scanned;
   std::uint64_t hash = 0x9E3779B97F4A7C15ull ^ static_cast<std::uint64_t>(targets.size);
+  std::int64_t lowest = INT64_MAX, highest = INT64_MIN;
   for (std::int64_t i = 0; i < targets.size; ++i) {
-    hash ^= static_cast<std::uint64_t>(static_cast<std::int64_t>(targets.data[i]));
+    const auto id = static_cast<std::int64_t>(targets.data[i]);
+    hash ^= static_cast<std::uint64_t>(id);
     hash *= 0xBF58476D1CE4E5B9ull;
     hash ^= hash >> 31;
+    if (id == ignore_index) continue;
+    lowest = std::min(lowest, id);
+    highest = std::max(highest, id);
   }
-  return static_cast<std::int64_t>(hash);
+  scanned.hash = static_cast<std::int64_t>(hash);
+  if (lowest <= highest) {
+    scanned.lowest = lowest;
+    scanned.highest = highest;
+  }
+  return scanned;
 }
 
 // The vocabulary shards of all ranks, in rank order.
@@ -126,6 +173,9 @@ struct shard_layout {
 // What the ranks agreed on.
 struct agreed_call {
   std::int64_t chunk = 0;  // the smallest of every rank's chunk
+  // The extremes of every rank's target ids (other than ignore_index; highest < lowest: none).
+  std::int64_t targets_lowest = INT64_MAX;
+  std::int64_t targets_highest = INT64_MIN;
 };
 
 template <communicator Comm>
@@ -148,6 +198,12 @@ class rank_agreement {
       fail("rank ", ranks.str(), " rejected its arguments (its lce::error names them); no rank ran the call");
     }
 
+    for (std::size_t r = 1; r < records.size(); ++r)
+      expects(records[r].element_types == records[0].element_types,
+              "the element type differs across ranks: rank 0 has ", describe_element_types(records[0].element_types),
+              ", rank ", r, " has ", describe_element_types(records[r].element_types),
+              ": every rank must instantiate the operator on the same T");
+
     same_on_every_rank(records, &call_record::n_tokens, "targets: the number of tokens",
                        "every rank must pass all N tokens");
     same_on_every_rank(records, &call_record::hidden, "hidden: the hidden size", "");
@@ -166,7 +222,12 @@ class rank_agreement {
 
     agreed_call agreed;
     agreed.chunk = records.front().chunk;
-    for (const auto& record : records) agreed.chunk = std::min(agreed.chunk, record.chunk);
+    for (const auto& record : records) {
+      agreed.chunk = std::min(agreed.chunk, record.chunk);
+      if (record.targets_lowest > record.targets_highest) continue;
+      agreed.targets_lowest = std::min(agreed.targets_lowest, record.targets_lowest);
+      agreed.targets_highest = std::max(agreed.targets_highest, record.targets_highest);
+    }
     return agreed;
   }
 

@@ -205,6 +205,12 @@ class engine {
         direct_plan_for<no_weight_gradient_t>(call_kind::forward, n_tokens, hidden, vocab_local, set_size).plan.bytes;
     for (const call_kind kind : {call_kind::backward, call_kind::forward_backward})
       sweep = std::max(sweep, direct_plan_for<Compute>(kind, n_tokens, hidden, vocab_local, set_size).plan.bytes);
+    // One that writes such a grad_weight over on one rank may keep its logits there: a plan no
+    // larger than the token order's, which may hold more than the plan taken without it.
+    if (options_.overwrite_weight_gradients && comm_.size() == 1)
+      sweep = std::max(sweep, direct_plan_for<Compute>(call_kind::forward_backward, n_tokens, hidden, vocab_local,
+                                                       set_size, /*logits_fit=*/true)
+                                  .plan.bytes);
     checked_size total(sweep);
     if constexpr (!std::same_as<T, float>) {
       const auto gradient = gradient_plan_for<NarrowGradWeight>(n_tokens, hidden, vocab_local, set_size);
@@ -910,11 +916,19 @@ class engine {
       mine.call = static_cast<std::int64_t>(kind) | (in.bias.size ? call_with_bias : 0) |
                   (grad_bias.size ? call_with_grad_bias : 0) | terms << 8 | in.set_size << 20;
       mine.targets_hash = targets.hash;
+      mine.element_types = element_types_code<T, Compute>();
+      mine.targets_lowest = targets.lowest;
+      mine.targets_highest = targets.highest;
     }
     const agreed_call agreed = agreement_.agree(comm_, mine, failure);
-    // Every rank holds the same targets (their hashes agree) and the same
-    // layout, so every rank reaches the same verdict here.
+    // The vocabulary is known now. Every rank holds the same targets (their hashes agree), so
+    // each reaches the same verdict from its own; from the exchanged extremes all the same, where
+    // a rank's ids that leave the vocabulary passed the hash.
     check_target_ids(targets, in.targets, agreement_.vocab(), in.set_size);
+    const std::int64_t lowest = agreed.targets_lowest, highest = agreed.targets_highest;
+    expects(lowest > highest || (lowest >= 0 && highest < agreement_.vocab()), "targets: another rank's ids reach ",
+            lowest < 0 ? lowest : highest, ", outside the vocabulary [0, ", agreement_.vocab(),
+            ") (not ignore_index): every rank must pass the same N targets");
     call.vocab = agreement_.vocab();
     if (agreed.chunk < call.plan.chunk)
       call.plan = plan_for(in.tokens(), in.hidden.cols, in.weight.rows, agreed.chunk, in.set_size);
@@ -932,9 +946,8 @@ class engine {
     if constexpr (backend_scans_targets<Index>) {
       return backend_.scan_targets(targets, options_.ignore_index);
     } else {
-      target_scan result;
-      if (comm_.size() > 1) result.hash = targets_hash(targets);
-      return result;  // the range is checked id by id (check_targets)
+      // The range is checked id by id (check_targets); the extremes tell the other ranks.
+      return comm_.size() > 1 ? scan_targets_on_host(targets, options_.ignore_index) : target_scan{};
     }
   }
 
