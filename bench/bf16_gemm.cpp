@@ -143,9 +143,10 @@ __attribute__((target("avx512f,avx512bf16"))) double avx512_bf16_peak_gflops(int
     for (auto& a : acc) a = _mm512_setzero_ps();
     const __m512bh one = (__m512bh)_mm512_set1_epi16(0x3f80);
     for (long long i = 0; i < steps; ++i) {
-      for (auto& a : acc) {
-        a = _mm512_dpbf16_ps(a, one, one);
-        asm volatile("" : "+v"(a));  // keeps each chain's every step
+#pragma GCC unroll 12  // the chains in registers, not an array in memory
+      for (int c = 0; c < chains; ++c) {
+        acc[c] = _mm512_dpbf16_ps(acc[c], one, one);
+        asm volatile("" ::"v"(acc[c]));  // keeps each chain's every step
       }
     }
     float sum = 0;
