@@ -33,7 +33,7 @@ import zlib
 import torch
 
 from . import _ops  # noqa: F401  (registers fake kernels and autograd)
-from ._ops import refuse_forward_ad
+from ._ops import refuse_create_graph, refuse_forward_ad
 from ._losses import _checked_on_group
 from ._losses import (
     DistillResult,
@@ -269,10 +269,8 @@ class _FusedCrossEntropy(torch.autograd.Function):
         # The gradients were made in the forward, outside autograd: a backward that would
         # differentiate them again (create_graph=True) raises rather than handing out
         # gradients whose own gradient is silently 0.
-        if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            raise NotImplementedError(
-                "lce_torch: linear_cross_entropy's one-sweep gradients are not differentiable themselves (no double "
-                "backward, create_graph=True)")
+        refuse_create_graph("lce_torch: linear_cross_entropy's one-sweep gradients are not differentiable themselves "
+                            "(no double backward, create_graph=True)")
         if ctx.needs_input_grad[4]:
             raise NotImplementedError(
                 "lce_torch.linear_cross_entropy: no gradient for weight (the class weights) in the one-sweep path, "

@@ -18,8 +18,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _C  # noqa: F401  (loads the library: registers torch.ops.lce.*)
-
-from ._ops import refuse_forward_ad
+from ._ops import refuse_create_graph, refuse_forward_ad
 
 _ops = torch.ops.lce
 
@@ -172,11 +171,8 @@ def _distill_loss_fake(student_logprobs, teacher_logprobs, ids, targets=None, cu
 
 
 def _scaled(loss, grad_loss, grad):
-    # The stored gradient is a constant to autograd: differentiated again (create_graph=True)
-    # this product would give a second derivative of 0, so that raises instead.
-    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        raise NotImplementedError(f"lce_torch.{loss}: its gradient is computed in its forward and is not "
-                                  f"differentiable itself (no double backward, create_graph=True)")
+    refuse_create_graph(f"lce_torch.{loss}: its gradient is computed in its forward and is not differentiable "
+                        f"itself (no double backward, create_graph=True)")
     return grad_loss.to(grad.dtype) * grad
 
 

@@ -45,6 +45,14 @@ def refuse_forward_ad(fn, *tensors):
                 f"reverse mode (backward(), torch.autograd.grad, torch.autograd.functional.jacobian)")
 
 
+def refuse_create_graph(message):
+    """Raises NotImplementedError(message) in a backward asked to build its own graph
+    (create_graph=True) whose gradients lce made in the forward: to autograd they are
+    constants, so a second derivative through them would come out as 0."""
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        raise NotImplementedError(message)
+
+
 def _result_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
