@@ -1,6 +1,6 @@
 // The bodies of edge-case tests (tests/unit/test_edge_cases.cpp) shared with
 // the CUDA suite (tests/cuda/test_cuda_backend.cu): all tokens ignored,
-// strided buffers with padding, int32 / int64 targets. Env: see
+// strided buffers with padding, int32 / int64 targets, a NaN logit. Env: see
 // cases/host_env.hpp.
 #pragma once
 
@@ -85,6 +85,38 @@ void int32_and_int64_targets() {
   check_against_reference(o32, p, g, hg, pre, Env::template gradient_operand_unit<T>,
                           Env::template gradient_operand_floor<T>);
   CHECK(o32.all_bytes() == o64.all_bytes());
+}
+
+// A NaN in one row of the weight makes that column's logit NaN for every token: every
+// counted token's lse, log-prob and entropy must come out NaN (a loss that checks for NaN
+// must see it), and its gradient rows too, whichever columns come before or after the NaN
+// and however the row's sum is split over threads. The vocabulary is wide enough that
+// each thread of a row reduction sees several columns, larger ones after the NaN.
+template <class Env, class T>
+void nan_logit_poisons_its_row() {
+  using O = out_t<T>;
+  for (std::int64_t nan_row : {std::int64_t{0}, std::int64_t{1500}}) {
+    CAPTURE(nan_row);
+    problem p = make_problem(6, 8, 2048, 51, rounder_for<T>(), 1.0, 1.0, 0.0);
+    for (std::int64_t k = 0; k < p.h; ++k)
+      p.w[static_cast<std::size_t>(nan_row * p.h + k)] = std::numeric_limits<double>::quiet_NaN();
+    for (auto& y : p.y)
+      if (y == nan_row) y = nan_row + 1;  // the NaN must come from the sum, not the target's logit
+    const auto g = random_vector(p.n, 52, -1, 1, rounder_for<O>());
+    const auto hg = random_vector(p.n, 53, -0.5, 0.5, rounder_for<O>());
+    const auto pre = random_vector(p.v * p.h, 54, -1, 1, rounder_for<float>());
+    auto op = Env::template make_op<T>(make_options(1.0f, 0.0f, 4));
+    const auto o = exercise<T, float>(op, p, g, hg, pre);
+    for (std::int64_t i = 0; i < p.n; ++i) {
+      CAPTURE(i);
+      CHECK(std::isnan(o.lse.get(i)));
+      CHECK(std::isnan(o.lp.get(i)));
+      CHECK(std::isnan(o.ent.get(i)));
+      CHECK(std::isnan(o.lp_fb.get(i)));
+      CHECK(std::isnan(o.gh.get(i, 0)));
+      CHECK(std::isnan(o.gh_fb.get(i, 0)));
+    }
+  }
 }
 
 }  // namespace lce_test::cases

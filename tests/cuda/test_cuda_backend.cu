@@ -71,6 +71,11 @@ TEST_CASE_TEMPLATE("cuda: int32 and int64 targets give identical results", T, LC
   cases::int32_and_int64_targets<cuda_env, T>();
 }
 
+TEST_CASE_TEMPLATE("cuda: a NaN logit makes its tokens' lse, log-prob, entropy and gradients NaN", T,
+                   LCE_CUDA_TYPES) {
+  cases::nan_logit_poisons_its_row<cuda_env, T>();
+}
+
 TEST_CASE_TEMPLATE("cuda: target sets: forward gives each id's log-prob, lse and entropy", T, LCE_CUDA_TYPES) {
   lce_test::cases::target_sets_forward<lce_test::cuda_env, T>();
 }

@@ -314,6 +314,11 @@ TEST_CASE_TEMPLATE("int32 and int64 targets give identical results", T, float, d
   cases::int32_and_int64_targets<host_env, T>();
 }
 
+TEST_CASE_TEMPLATE("a NaN logit makes its tokens' lse, log-prob, entropy and gradients NaN", T, float, double,
+                   lce::bfloat16, lce::float16) {
+  cases::nan_logit_poisons_its_row<host_env, T>();
+}
+
 TEST_CASE("ignore_index: a custom value is honoured, including one inside [0, V)") {
   for (std::int64_t ignore : {std::int64_t{-1}, std::int64_t{-100}, std::int64_t{5}}) {
     CAPTURE(ignore);

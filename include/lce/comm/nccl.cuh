@@ -64,9 +64,18 @@ class nccl {
  public:
   using memory_space = device_memory;
 
-  nccl(ncclComm_t comm, cudaStream_t stream) : comm_(comm), stream_(stream), staging_(std::make_shared<staging>()) {
+  // The staging buffer of the control collectives is allocated here, on the communicator's
+  // device, not inside them: a cudaMalloc failing on one rank in the middle of an agreement
+  // would raise on that rank alone and leave the others waiting in its all-gather, and
+  // cudaMalloc / cudaFree there would synchronise the device while NCCL kernels of another
+  // stream may be waiting on peers.
+  nccl(ncclComm_t comm, cudaStream_t stream) : comm_(comm), stream_(stream) {
     LCE_NCCL_TRY(ncclCommUserRank(comm_, &rank_));
     LCE_NCCL_TRY(ncclCommCount(comm_, &size_));
+    int device = 0;
+    LCE_NCCL_TRY(ncclCommCuDevice(comm_, &device));
+    staging_ = std::make_shared<staging>(
+        device, control_values * sizeof(std::int64_t) * static_cast<std::size_t>(size_ + 1));
   }
 
   int rank() const { return rank_; }
@@ -116,11 +125,17 @@ class nccl {
     return std::is_same_v<A, float> ? ncclFloat32 : ncclFloat64;
   }
 
-  // A small device buffer for the control collectives, shared by copies.
+  // The most values a control collective gathers from each rank: the operator's call record
+  // (detail::call_record::values) and a loss's token count fit with room to spare.
+  static constexpr std::size_t control_values = 32;
+
+  // A small device buffer for the control collectives, shared by copies; it grows (on the
+  // communicator's device) only for a gather of more than control_values values.
   struct staging {
     void* data = nullptr;
     std::size_t bytes = 0;
-    staging() = default;
+    int device = 0;
+    staging(int on_device, std::size_t initial_bytes) : device(on_device) { reserve(initial_bytes); }
     staging(const staging&) = delete;
     staging& operator=(const staging&) = delete;
     ~staging() {
@@ -128,10 +143,16 @@ class nccl {
     }
     void* reserve(std::size_t wanted) {
       if (wanted > bytes) {
-        if (data) LCE_CUDA_TRY(cudaFree(data));
+        int current = 0;
+        LCE_CUDA_TRY(cudaGetDevice(&current));
+        LCE_CUDA_TRY(cudaSetDevice(device));
+        if (data) cudaFree(data);
         data = nullptr;
         bytes = 0;
-        LCE_CUDA_TRY(cudaMalloc(&data, wanted));
+        const cudaError_t allocated = cudaMalloc(&data, wanted);
+        cudaSetDevice(current);
+        detail::check_cuda(allocated, "cudaMalloc(&data, wanted) (lce::comm::nccl's staging buffer)", __FILE__,
+                           __LINE__);
         bytes = wanted;
       }
       return data;

@@ -39,7 +39,9 @@ using cuda_launch::items_per_thread;
 template <class A, bool WithEntropy>
 __device__ __forceinline__ void accumulate(row_partial<A>& p, A z) {
   if (z > p.max) {
-    if (p.sum_exp > A(0)) {
+    // != 0, not > 0: a NaN sum (a NaN logit seen earlier) must stay NaN through the
+    // rescale (NaN * scale + 1), as the host's two-pass sum keeps it.
+    if (p.sum_exp != A(0)) {
       const A shift = p.max - z;  // < 0
       const A scale = fast_exp(shift);
       if constexpr (WithEntropy) p.sum_exp_offset = scale * (p.sum_exp_offset + shift * p.sum_exp);
