@@ -28,6 +28,7 @@
 
 #include "op_tags.hpp"
 #include "process_group_comm.hpp"
+#include "verdicts.hpp"
 
 #include <lce/loss/losses.hpp>
 
@@ -130,38 +131,34 @@ lce::loss_reduction parse_reduction(const std::string& r) {
   return lce::loss_reduction::sequence_mean;
 }
 
-// One exchange of verdicts over a group, shared by the losses (their normaliser)
-// and lce_torch.agree_on_group (Python-side checks and settings: linear_cross_entropy,
-// and a loss whose Python wrapper rejects its arguments before the op). Every rank
-// sends {ok, a fingerprint of its call's settings, its count of loss units} in one
-// all-gather of host values on the CPU. A rank that failed returns (and raises its own
-// error); every other rank raises "rank r rejected its arguments", or, where two ranks'
-// settings differ, names its own. So bad input or disagreeing options on one rank raise
-// on every rank, never leaving the others waiting in a later collective or computing
-// with settings of their own. Returns the units summed over the group.
-constexpr std::size_t verdict_fields = 3;
-
+// One exchange of verdicts over a group (verdicts.hpp), shared by the losses (their
+// normaliser) and lce_torch.agree_on_group (Python-side checks and settings:
+// linear_cross_entropy, and a loss whose Python wrapper rejects its arguments before the
+// op). Every rank sends {ok, its call's kind, a fingerprint of its settings, its count of
+// loss units}. A rank that failed returns (and raises its own error); every other rank
+// raises "rank r rejected its arguments", or, where two ranks' calls or settings differ,
+// names them. So bad input or disagreeing options on one rank raise on every rank, never
+// leaving the others waiting in a later collective or computing with settings of their
+// own. Returns the units summed over the group.
 std::int64_t settings_fingerprint(const std::string& settings) {
   std::uint64_t h = 14695981039346656037ull;  // FNV-1a: the same on every rank and build
   for (const unsigned char c : settings) h = (h ^ c) * 1099511628211ull;
   return static_cast<std::int64_t>(h >> 1);
 }
 
-std::int64_t agree_verdicts(const process_group& comm, bool ok, const std::string& settings, std::int64_t units) {
-  const std::int64_t mine[verdict_fields] = {ok ? 1 : 0, ok ? settings_fingerprint(settings) : 0, units};
-  std::vector<std::int64_t> all(verdict_fields * static_cast<std::size_t>(comm.size()));
-  comm.all_gather_host(mine, all.data(), verdict_fields);
+std::int64_t agree_verdicts(const process_group& comm, exchange_kind kind, bool ok, const std::string& settings,
+                            std::int64_t units) {
+  const verdict mine{ok ? 1 : 0, static_cast<std::int64_t>(kind), ok ? settings_fingerprint(settings) : 0, units};
+  const auto all = exchange_verdicts(comm, mine);
   if (!ok) return 0;
-  const auto of = [&](int rank, std::size_t field) { return all[verdict_fields * static_cast<std::size_t>(rank) + field]; };
   std::int64_t total = 0;
   for (int r = 0; r < comm.size(); ++r) {
-    TORCH_CHECK(of(r, 0) == 1, "lce_torch: rank ", r, " rejected its arguments");
-    total += of(r, 2);
-  }
-  for (int r = 0; r < comm.size(); ++r)
-    TORCH_CHECK(of(r, 1) == mine[1], "lce_torch: the call's settings differ across the ranks of group '",
+    const verdict& theirs = all[static_cast<std::size_t>(r)];
+    TORCH_CHECK(theirs.first == mine.first, "lce_torch: the call's settings differ across the ranks of group '",
                 comm.name(), "': rank ", comm.rank(), " has ", settings, ", rank ", r,
                 " others (every rank must pass the same options, dtypes and class weights)");
+    total += theirs.second;
+  }
   return total;
 }
 
@@ -176,8 +173,9 @@ std::int64_t agree_verdicts(const process_group& comm, bool ok, const std::strin
 // exchange (validate(local count), its results dropped): every check of lce's
 // loss (a NaN log-prob, bad pairs, a bad option) is then part of the verdict.
 template <class Prepare, class Validate>
-double normaliser_of(const std::optional<double>& normaliser, const std::optional<std::string>& group_name,
-                     const std::string& settings, Prepare&& prepare, Validate&& validate) {
+double normaliser_of(exchange_kind kind, const std::optional<double>& normaliser,
+                     const std::optional<std::string>& group_name, const std::string& settings, Prepare&& prepare,
+                     Validate&& validate) {
   if (!group_name) {
     const std::int64_t units = prepare();
     return normaliser ? *normaliser : static_cast<double>(units);
@@ -195,7 +193,7 @@ double normaliser_of(const std::optional<double>& normaliser, const std::optiona
   std::int64_t total = units;
   try {
     const process_group comm(*group_name, at::kCPU);
-    if (comm.size() > 1) total = agree_verdicts(comm, !failure, settings, units);
+    if (comm.size() > 1) total = agree_verdicts(comm, kind, !failure, settings, units);
   } catch (...) {
     if (failure) std::rethrow_exception(failure);  // this rank's own error says more than the group's
     throw;
@@ -207,7 +205,7 @@ double normaliser_of(const std::optional<double>& normaliser, const std::optiona
 // lce.agree_on_group: a Python wrapper's side of agree_verdicts (no units).
 void agree_on_group(const std::string& group_name, c10::Device device, bool ok, const std::string& settings) {
   const process_group comm(group_name, device);
-  if (comm.size() > 1) agree_verdicts(comm, ok, settings, 0);
+  if (comm.size() > 1) agree_verdicts(comm, exchange_kind::python_settings, ok, settings, 0);
 }
 
 // A call's settings as text, for agree_verdicts (doubles to 17 digits: equal text, equal values).
@@ -312,7 +310,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sft_loss(
   const std::string settings =
       settings_of("sft_loss(reduction=", reduction, ", label_smoothing=", label_smoothing, ", ignore_index=", ignore_index,
                   ", logprobs ", logprobs.scalar_type(), ")");
-  return run(normaliser_of(normaliser, group_name, settings, prepare, run));
+  return run(normaliser_of(exchange_kind::sft_loss, normaliser, group_name, settings, prepare, run));
 }
 
 // --- DPO ------------------------------------------------------------------------
@@ -364,7 +362,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const std::string settings =
       settings_of("dpo_loss(beta=", beta, ", sft_coef=", sft_coef, ", length_average=", length_average,
                   ", ignore_index=", ignore_index, ", logprobs ", logprobs.scalar_type(), ")");
-  return run(normaliser_of(normaliser, group_name, settings, prepare, run));
+  return run(normaliser_of(exchange_kind::dpo_loss, normaliser, group_name, settings, prepare, run));
 }
 
 // --- policy gradient ------------------------------------------------------------
@@ -438,7 +436,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_gr
                   ", dual_clip=", dual_clip, ", kl_coef=", kl_coef, ", kl=", kl, ", tis_cap=", tis_cap,
                   ", entropy_coef=", entropy_coef, ", sequence_advantages=", sequence_advantages,
                   ", ignore_index=", ignore_index, ", logprobs ", logprobs.scalar_type(), ")");
-  return run(normaliser_of(normaliser, group_name, settings, prepare, run));
+  return run(normaliser_of(exchange_kind::policy_gradient_loss, normaliser, group_name, settings, prepare, run));
 }
 
 // --- distillation from a teacher's top-K ------------------------------------------
@@ -525,7 +523,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> distill_l
   const std::string settings =
       settings_of("distill_loss(reduction=", reduction, ", tail=", tail, ", ignore_index=", ignore_index,
                   ", student_logprobs ", student_logprobs.scalar_type(), ")");
-  return run(normaliser_of(normaliser, group_name, settings, prepare, run));
+  return run(normaliser_of(exchange_kind::distill_loss, normaliser, group_name, settings, prepare, run));
 }
 
 // CUDA tensors: the losses' inputs are per-token vectors (O(N), far smaller

@@ -25,6 +25,7 @@
 #include "kernels.hpp"
 #include "op_tags.hpp"
 #include "process_group_comm.hpp"
+#include "verdicts.hpp"
 #include "torch_gemm.hpp"
 
 #include <lce/host/blas_info.hpp>
@@ -141,7 +142,7 @@ std::int64_t dtype_code(const at::Tensor& t) { return static_cast<std::int64_t>(
 // others "lce_torch: rank r rejected its arguments". A rank on the CPU beside
 // ranks on CUDA would run other kernels with other collectives: refused too.
 template <class Prepare>
-auto agreed(const config& c, const at::Tensor& hidden, Prepare&& prepare) {
+auto agreed(exchange_kind kind, const config& c, const at::Tensor& hidden, Prepare&& prepare) {
   using plan_t = decltype(prepare());
   plan_t plan;
   std::exception_ptr failure;
@@ -153,22 +154,21 @@ auto agreed(const config& c, const at::Tensor& hidden, Prepare&& prepare) {
   if (c.group_name) {
     const process_group comm(*c.group_name, hidden.device());
     if (comm.size() > 1) {
-      constexpr std::size_t fields = 3;
-      const std::int64_t mine[fields] = {failure ? 0 : 1, dtype_code(hidden),
-                                         static_cast<std::int64_t>(hidden.device().type())};
-      std::vector<std::int64_t> all(fields * static_cast<std::size_t>(comm.size()));
-      comm.all_gather_host(mine, all.data(), fields);
+      const auto all = exchange_verdicts(
+          comm, verdict{failure ? 0 : 1, static_cast<std::int64_t>(kind), dtype_code(hidden),
+                        static_cast<std::int64_t>(hidden.device().type())});
       if (failure) std::rethrow_exception(failure);
-      const auto of = [&](int rank, std::size_t field) { return all[fields * static_cast<std::size_t>(rank) + field]; };
-      for (int r = 0; r < comm.size(); ++r)
-        TORCH_CHECK(of(r, 0) == 1, "lce_torch: rank ", r, " rejected its arguments");
+      const verdict& first = all.front();
       for (int r = 1; r < comm.size(); ++r) {
-        TORCH_CHECK_TYPE(of(r, 1) == of(0, 1), "lce_torch: hidden and weight dtypes differ across ranks: rank 0 has ",
-                         static_cast<at::ScalarType>(of(0, 1)), ", rank ", r, " has ",
-                         static_cast<at::ScalarType>(of(r, 1)), ": every rank must pass the same dtype");
-        TORCH_CHECK(of(r, 2) == of(0, 2), "lce_torch: the tensors' devices differ across ranks: rank 0 has ",
-                    static_cast<c10::DeviceType>(of(0, 2)), ", rank ", r, " has ",
-                    static_cast<c10::DeviceType>(of(r, 2)), ": every rank must pass tensors of one device type");
+        const verdict& theirs = all[static_cast<std::size_t>(r)];
+        TORCH_CHECK_TYPE(theirs.first == first.first,
+                         "lce_torch: hidden and weight dtypes differ across ranks: rank 0 has ",
+                         static_cast<at::ScalarType>(first.first), ", rank ", r, " has ",
+                         static_cast<at::ScalarType>(theirs.first), ": every rank must pass the same dtype");
+        TORCH_CHECK(theirs.second == first.second, "lce_torch: the tensors' devices differ across ranks: rank 0 has ",
+                    static_cast<c10::DeviceType>(first.second), ", rank ", r, " has ",
+                    static_cast<c10::DeviceType>(theirs.second),
+                    ": every rank must pass tensors of one device type");
       }
     }
   }
@@ -184,7 +184,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprobs_on(
     std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                                workspace_limit_bytes, group_name);
-  return agreed(c, hidden, [&] {
+  return agreed(exchange_kind::logprobs, c, hidden, [&] {
     check_inputs<Device>(hidden, weight, targets, c);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
       return kernels<TorchT, Device>::forward(hidden, weight, targets, bias, with_entropy, with_mean_logit, c);
@@ -201,7 +201,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logprobs_backward_on(
     std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                                workspace_limit_bytes, group_name);
-  return agreed(c, hidden, [&] {
+  return agreed(exchange_kind::logprobs_backward, c, hidden, [&] {
     check_inputs<Device>(hidden, weight, targets, c);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
       return kernels<TorchT, Device>::backward(grad_logprobs, grad_entropy, hidden, weight, targets, lse, grad_lse,
@@ -218,7 +218,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                                workspace_limit_bytes, group_name);
-  return agreed(c, hidden, [&] {
+  return agreed(exchange_kind::logprobs_forward_backward, c, hidden, [&] {
     check_inputs<Device>(hidden, weight, targets, c);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
       return kernels<TorchT, Device>::forward_backward(hidden, weight, targets, grad_logprobs, grad_lse,
@@ -236,7 +236,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> target_set_logprobs_o
     std::optional<std::string> group_name) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                                workspace_limit_bytes, group_name);
-  return agreed(c, hidden, [&] {
+  return agreed(exchange_kind::target_set_logprobs, c, hidden, [&] {
     check_inputs<Device>(hidden, weight, ids, c, targets_kind::sets_of_k);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
       return kernels<TorchT, Device>::set_forward(hidden, weight, ids, bias, with_entropy, with_mean_logit, c);
@@ -253,7 +253,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> target_set_logprobs_backward_on(
     std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                                workspace_limit_bytes, group_name);
-  return agreed(c, hidden, [&] {
+  return agreed(exchange_kind::target_set_logprobs_backward, c, hidden, [&] {
     check_inputs<Device>(hidden, weight, ids, c, targets_kind::sets_of_k);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
       return kernels<TorchT, Device>::set_backward(grad_logprobs, grad_entropy, hidden, weight, ids, lse, grad_lse,

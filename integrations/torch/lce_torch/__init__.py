@@ -33,8 +33,7 @@ import zlib
 import torch
 
 from . import _ops  # noqa: F401  (registers fake kernels and autograd)
-from ._ops import refuse_create_graph, refuse_forward_ad
-from ._losses import _checked_on_group
+from ._ops import checked_on_group, device_of, group_name_of, refuse_create_graph, refuse_forward_ad, require_tensors
 from ._losses import (
     DistillResult,
     DPOResult,
@@ -72,14 +71,6 @@ __all__ = [
 _DEFAULT_WORKSPACE = 256 << 20
 
 
-def _group_name(group):
-    if group is None:
-        return None
-    if isinstance(group, str):
-        return group
-    return group.group_name
-
-
 def _options(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
              workspace_limit_bytes, group):
     return dict(
@@ -90,7 +81,7 @@ def _options(vocab_start, ignore_index, temperature, softcap, sequence_parallel,
         sequence_parallel=bool(sequence_parallel),
         chunk_tokens=int(chunk_tokens),
         workspace_limit_bytes=int(workspace_limit_bytes),
-        group_name=_group_name(group),
+        group_name=group_name_of(group),
     )
 
 
@@ -120,9 +111,13 @@ def linear_logprobs(hidden, weight, targets, *, bias=None, vocab_start=0, ignore
     ``sequence_parallel``: its own rows of hidden, all targets); the hidden gradient
     is summed over the group (the same on every rank).
     """
-    refuse_forward_ad("linear_logprobs", hidden, weight, bias)
-    opts = _options(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
-                    workspace_limit_bytes, group)
+    def prepare():
+        refuse_forward_ad("linear_logprobs", hidden, weight, bias)
+        require_tensors("linear_logprobs", hidden=hidden, weight=weight, targets=targets, bias=bias)
+        return _options(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
+                        workspace_limit_bytes, group)
+
+    opts = checked_on_group(group, device_of(hidden, weight), prepare)
     logp, lse, ent, mean = torch.ops.lce.logprobs(hidden, weight, targets, bias, with_entropy=with_entropy,
                                                   with_mean_logit=return_mean_logit, **opts)
     out = (logp,)
@@ -156,9 +151,13 @@ def linear_target_set_logprobs(hidden, weight, ids, *, bias=None, vocab_start=0,
     (each rank its shard of the vocabulary; every rank the same ids).
     Contiguous ids and hidden are used in place (no copy).
     """
-    refuse_forward_ad("linear_target_set_logprobs", hidden, weight, bias)
-    opts = _options(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
-                    workspace_limit_bytes, group)
+    def prepare():
+        refuse_forward_ad("linear_target_set_logprobs", hidden, weight, bias)
+        require_tensors("linear_target_set_logprobs", hidden=hidden, weight=weight, ids=ids, bias=bias)
+        return _options(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
+                        workspace_limit_bytes, group)
+
+    opts = checked_on_group(group, device_of(hidden, weight), prepare)
     logp, lse, ent, mean = torch.ops.lce.target_set_logprobs(hidden, weight, ids, bias, with_entropy=with_entropy,
                                                              with_mean_logit=return_mean_logit, **opts)
     out = (logp,)
@@ -321,11 +320,15 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
     backward. Otherwise the forward alone runs, and the backward (if any) is a second
     sweep. ``group`` / ``vocab_start``: tensor parallel, as in ``linear_logprobs``.
     """
-    refuse_forward_ad("linear_cross_entropy", input, linear_weight, linear_bias)
     if ignore_index is None:
         ignore_index = -100
 
     def check():
+        refuse_forward_ad("linear_cross_entropy", input, linear_weight, linear_bias)
+        require_tensors("linear_cross_entropy", input=input, linear_weight=linear_weight, target=target,
+                        linear_bias=linear_bias, weight=weight)
+        opts = _options(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
+                        workspace_limit_bytes, group)
         smoothing = float(label_smoothing)
         if not 0.0 <= smoothing <= 1.0:
             raise ValueError(f"lce_torch.linear_cross_entropy: label_smoothing must be between 0.0 and 1.0, got "
@@ -340,8 +343,8 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
                              f"{reduction!r}")
         if weight is not None:
             _check_class_weight(weight, linear_weight, vocab_start, group)
-            _check_targets_weighted(target, weight, ignore_index)
-        return smoothing
+            _check_targets_weighted(target, weight, opts["ignore_index"])
+        return smoothing, opts
 
     def settings():
         # What the ranks' shares of one loss must agree on beyond lce's own call (which
@@ -350,9 +353,7 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
         return (f"linear_cross_entropy(reduction={reduction!r}, label_smoothing={float(label_smoothing)!r}, "
                 f"fused={bool(fused)}, weight {weights})")
 
-    label_smoothing = _checked_on_group(group, input.device, check, settings)
-    opts = _options(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
-                    workspace_limit_bytes, group)
+    label_smoothing, opts = checked_on_group(group, device_of(input, linear_weight), check, settings)
     needs_grad = torch.is_grad_enabled() and (input.requires_grad or linear_weight.requires_grad or
                                               (linear_bias is not None and linear_bias.requires_grad))
     if reduction != "none" and fused and needs_grad:
@@ -361,7 +362,7 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
     smoothing = label_smoothing != 0.0
     logp, lse, _, mean = torch.ops.lce.logprobs(input, linear_weight, target, linear_bias, with_entropy=False,
                                                 with_mean_logit=smoothing, **opts)
-    w = _token_weights(target, weight, ignore_index, logp.dtype)
+    w = _token_weights(target, weight, opts["ignore_index"], logp.dtype)
     if smoothing:
         nll = w * ((label_smoothing - 1.0) * logp + label_smoothing * (lse - mean))
     else:
@@ -375,9 +376,17 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
 
 def shard_vocab_start(group, vocab_local):
     """The first global id of this rank's shard when every rank of ``group`` holds
-    ``vocab_local`` rows (any sizes), in rank order: one all-gather; call it once."""
+    ``vocab_local`` rows (any sizes), in rank order: one all-gather; call it once.
+    ``group``: a ProcessGroup or its name, as lce's ``group=``; None is torch.distributed's
+    default group (the world), as in torch.distributed's own calls."""
     import torch.distributed as dist
 
+    if isinstance(group, str):
+        from torch.distributed.distributed_c10d import _resolve_process_group
+
+        group = _resolve_process_group(group)
+    elif group is not None:
+        group_name_of(group)  # a rank outside the group (new_group's NON_GROUP_MEMBER) gets lce's message
     sizes = [None] * dist.get_world_size(group)
     dist.all_gather_object(sizes, int(vocab_local), group=group)
     return sum(sizes[: dist.get_rank(group)])

@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _C  # noqa: F401  (loads the library: registers torch.ops.lce.*)
-from ._ops import refuse_create_graph, refuse_forward_ad
+from ._ops import checked_on_group, device_of, group_name_of, refuse_create_graph, refuse_forward_ad, require_tensors
 
 _ops = torch.ops.lce
 
@@ -75,38 +75,6 @@ class DistillResult(NamedTuple):
     normaliser: torch.Tensor      # the divisor used (global count with a group)
     seq_kl: torch.Tensor          # [S] sum of w_i KL_i per sequence (float64)
     seq_tokens: torch.Tensor      # [S] counted tokens per sequence (int64)
-
-
-def _group_name(group):
-    if group is None:
-        return None
-    if isinstance(group, str):
-        return group
-    return group.group_name
-
-
-def _checked_on_group(group, device, prepare, settings=None):
-    """Runs ``prepare()``, this rank's Python-side checks and layout (no collective), and
-    returns what it returns. With a group (outside torch.compile), every rank must learn
-    of a check that raises here, or the others would wait in the op's exchange
-    (lce.agree_on_group takes this rank's part in it: ok False, then its own error
-    raises). ``settings`` (text): exchanged here too, the ranks raising where they differ
-    (linear_cross_entropy, whose op does no exchange of its own for them); None: the op's
-    own exchange follows and compares its settings (the losses)."""
-    if group is None or torch.compiler.is_compiling():
-        return prepare()
-    name = _group_name(group)
-    try:
-        prepared = prepare()
-    except Exception:
-        try:
-            torch.ops.lce.agree_on_group(name, device, False, "")
-        except Exception:  # the group itself failing: this rank's own error says more
-            pass
-        raise
-    if settings is not None:
-        torch.ops.lce.agree_on_group(name, device, True, settings() if callable(settings) else settings)
-    return prepared
 
 
 def _sequence_count(cu_seqlens):
@@ -300,6 +268,12 @@ def _normaliser(normaliser):
     return None if normaliser is None else float(normaliser)
 
 
+def _text(fn, name, value):
+    if not isinstance(value, str):
+        raise TypeError(f"lce_torch.{fn}: {name} must be a str, got {type(value).__name__}")
+    return value
+
+
 def next_token_targets(token_ids, cu_seqlens=None, *, ignore_index=-100):
     """Targets for next-token prediction over packed sequences: ``targets[i] = token_ids[i + 1]``
     inside a sequence, ``ignore_index`` at the last token of each, so no target crosses a
@@ -343,16 +317,19 @@ def sft_loss(logprobs, targets=None, cu_seqlens=None, *, weights=None, ignore_in
     each rank's loss its share of the global loss (their sum is the one-process loss).
     """
     def prepare():
+        require_tensors("sft_loss", logprobs=logprobs, targets=targets, cu_seqlens=cu_seqlens, weights=weights,
+                        lse=lse, mean_logit=mean_logit)
         layout = _Layout("sft_loss", logprobs, cu_seqlens)
         dtype = logprobs.dtype
         return (layout.tokens(logprobs, "logprobs"), layout.tokens(targets, "targets"), layout.cu_seqlens,
                 _weights(layout, weights), layout.tokens(lse, "lse", dtype),
                 layout.tokens(mean_logit, "mean_logit", dtype)), dict(
-                    ignore_index=int(ignore_index), reduction=reduction, label_smoothing=float(label_smoothing),
-                    normaliser=_normaliser(normaliser))
+                    ignore_index=int(ignore_index), reduction=_text("sft_loss", "reduction", reduction),
+                    label_smoothing=float(label_smoothing), normaliser=_normaliser(normaliser),
+                    group_name=group_name_of(group))
 
-    args, kwargs = _checked_on_group(group, "cpu", prepare)
-    out = _ops.sft_loss(*args, **kwargs, group_name=_group_name(group))
+    args, kwargs = checked_on_group(group, device_of(), prepare)
+    out = _ops.sft_loss(*args, **kwargs)
     loss, metrics = out[0], out[4]
     return SFTResult(loss, metrics[0], metrics[1].to(torch.int64), metrics[2].to(torch.int64), metrics[3])
 
@@ -372,6 +349,8 @@ def dpo_loss(logprobs, cu_seqlens=None, *, ref_seq_logprobs=None, ref_logprobs=N
     """
     def prepare():
         nonlocal ref_seq_logprobs
+        require_tensors("dpo_loss", logprobs=logprobs, cu_seqlens=cu_seqlens, ref_seq_logprobs=ref_seq_logprobs,
+                        ref_logprobs=ref_logprobs, targets=targets, weights=weights)
         if (ref_seq_logprobs is None) == (ref_logprobs is None):
             raise ValueError("lce_torch.dpo_loss: pass exactly one of ref_seq_logprobs (per sequence) and "
                              "ref_logprobs (per token)")
@@ -397,12 +376,13 @@ def dpo_loss(logprobs, cu_seqlens=None, *, ref_seq_logprobs=None, ref_logprobs=N
                                  f"flat [2 P], got shape {tuple(pair_list.shape)}")
             pair_list = pair_list.reshape(-1)
         return (layout.tokens(logprobs, "logprobs"), ref_seq_logprobs.to(torch.float64), flat_targets,
-                layout.cu_seqlens, flat_weights, pair_list)
+                layout.cu_seqlens, flat_weights, pair_list), dict(
+                    ignore_index=int(ignore_index), beta=float(beta), sft_coef=float(sft_coef),
+                    length_average=bool(length_average), normaliser=_normaliser(normaliser),
+                    group_name=group_name_of(group))
 
-    args = _checked_on_group(group, "cpu", prepare)
-    loss, _, seq_logprobs, _, seq_tokens, metrics = _ops.dpo_loss(
-        *args, ignore_index=int(ignore_index), beta=float(beta), sft_coef=float(sft_coef),
-        length_average=bool(length_average), normaliser=_normaliser(normaliser), group_name=_group_name(group))
+    args, kwargs = checked_on_group(group, device_of(), prepare)
+    loss, _, seq_logprobs, _, seq_tokens, metrics = _ops.dpo_loss(*args, **kwargs)
     return DPOResult(loss, metrics[0], metrics[1], metrics[2].to(torch.int64), metrics[3], metrics[4], metrics[5],
                      metrics[6], metrics[7], seq_logprobs, seq_tokens)
 
@@ -425,21 +405,26 @@ def policy_gradient_loss(logprobs, advantages, cu_seqlens=None, *, old_logprobs=
     Gradients flow to logprobs and entropy only.
     """
     def prepare():
-        layout = _Layout("policy_gradient_loss", logprobs, cu_seqlens)
+        fn = "policy_gradient_loss"
+        require_tensors(fn, logprobs=logprobs, advantages=advantages, cu_seqlens=cu_seqlens,
+                        old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                        generation_logprobs=generation_logprobs, entropy=entropy, targets=targets, weights=weights)
+        layout = _Layout(fn, logprobs, cu_seqlens)
         dtype = logprobs.dtype
         adv = advantages.to(dtype) if sequence_advantages else layout.tokens(advantages, "advantages", dtype)
         return (layout.tokens(logprobs, "logprobs"), adv, layout.tokens(old_logprobs, "old_logprobs", dtype),
                 layout.tokens(ref_logprobs, "ref_logprobs", dtype),
                 layout.tokens(generation_logprobs, "generation_logprobs", dtype),
                 layout.tokens(entropy, "entropy", dtype), layout.tokens(targets, "targets"), layout.cu_seqlens,
-                _weights(layout, weights))
+                _weights(layout, weights)), dict(
+                    ignore_index=int(ignore_index), reduction=_text(fn, "reduction", reduction),
+                    eps_low=float(eps_low), eps_high=float(eps_high), dual_clip=float(dual_clip),
+                    kl_coef=float(kl_coef), kl=_text(fn, "kl", kl), tis_cap=float(tis_cap),
+                    entropy_coef=float(entropy_coef), sequence_advantages=bool(sequence_advantages),
+                    normaliser=_normaliser(normaliser), group_name=group_name_of(group))
 
-    args = _checked_on_group(group, "cpu", prepare)
-    loss, _, _, _, m = _ops.policy_gradient_loss(
-        *args, ignore_index=int(ignore_index), reduction=reduction, eps_low=float(eps_low), eps_high=float(eps_high),
-        dual_clip=float(dual_clip), kl_coef=float(kl_coef), kl=kl, tis_cap=float(tis_cap),
-        entropy_coef=float(entropy_coef), sequence_advantages=bool(sequence_advantages),
-        normaliser=_normaliser(normaliser), group_name=_group_name(group))
+    args, kwargs = checked_on_group(group, device_of(), prepare)
+    loss, _, _, _, m = _ops.policy_gradient_loss(*args, **kwargs)
     return PolicyGradientResult(loss, m[0], m[1], m[2], m[3].to(torch.int64), m[4], m[5], m[6], m[7], m[8], m[9],
                                 m[10], m[11])
 
@@ -468,6 +453,8 @@ def distill_loss(student_logprobs, teacher_logprobs, ids, cu_seqlens=None, *, ta
     def prepare():
         nonlocal cu_seqlens
         fn = "distill_loss"
+        require_tensors(fn, student_logprobs=student_logprobs, teacher_logprobs=teacher_logprobs, ids=ids,
+                        cu_seqlens=cu_seqlens, targets=targets, weights=weights)
         if student_logprobs.dim() == 3:
             if cu_seqlens is not None:
                 raise ValueError(f"lce_torch.{fn}: a [B, T, K] student_logprobs ({tuple(student_logprobs.shape)}) takes "
@@ -503,10 +490,10 @@ def distill_loss(student_logprobs, teacher_logprobs, ids, cu_seqlens=None, *, ta
         id_sets = sets(ids, "ids")
         return (sets(student_logprobs, "student_logprobs"),
                 sets(teacher_logprobs, "teacher_logprobs", student_logprobs.dtype), id_sets,
-                tokens(targets, "targets"), cu_seqlens, tokens(weights, "weights", torch.float32))
+                tokens(targets, "targets"), cu_seqlens, tokens(weights, "weights", torch.float32)), dict(
+                    ignore_index=int(ignore_index), reduction=_text(fn, "reduction", reduction),
+                    tail=_text(fn, "tail", tail), normaliser=_normaliser(normaliser), group_name=group_name_of(group))
 
-    args = _checked_on_group(group, "cpu", prepare)
-    loss, _, seq_kl, seq_tokens, m = _ops.distill_loss(
-        *args, ignore_index=int(ignore_index), reduction=reduction, tail=tail, normaliser=_normaliser(normaliser),
-        group_name=_group_name(group))
+    args, kwargs = checked_on_group(group, device_of(), prepare)
+    loss, _, seq_kl, seq_tokens, m = _ops.distill_loss(*args, **kwargs)
     return DistillResult(loss, m[0], m[1], m[2], m[3].to(torch.int64), m[4], seq_kl, seq_tokens)

@@ -53,6 +53,65 @@ def refuse_create_graph(message):
         raise NotImplementedError(message)
 
 
+def group_name_of(group):
+    """The name lce's ops take for ``group``: a ProcessGroup's ``group_name``, a name as it is,
+    None for no group."""
+    if group is None:
+        return None
+    if isinstance(group, str):
+        return group
+    name = getattr(group, "group_name", None)
+    if isinstance(name, str):
+        return name
+    outside = ""
+    if torch.distributed.is_available() and group == torch.distributed.GroupMember.NON_GROUP_MEMBER:
+        outside = (" (what torch.distributed.new_group returns to a rank outside the group: only the group's "
+                   "ranks call lce with it)")
+    raise TypeError(f"lce_torch: group must be a torch.distributed ProcessGroup or its name, got {group!r}{outside}")
+
+
+def device_of(*candidates):
+    """The device of the first tensor among ``candidates`` (the CPU where there is none): the
+    one whose process-group backend carries an exchange of verdicts."""
+    for t in candidates:
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
+
+
+def require_tensors(fn, **arguments):
+    """Raises TypeError naming an argument that is neither a tensor nor None: here, inside a
+    rank's checks, rather than in the dispatcher's schema check after the ranks' exchange."""
+    for name, value in arguments.items():
+        if value is not None and not isinstance(value, torch.Tensor):
+            raise TypeError(f"lce_torch.{fn}: {name} must be a torch.Tensor, got {type(value).__name__}")
+
+
+def checked_on_group(group, device, prepare, settings=None):
+    """Runs ``prepare()``, this rank's Python-side checks and conversions (no collective), and
+    returns what it returns. With a group (outside torch.compile), every rank must learn of
+    a check that raises here, or the others would wait in the op's exchange
+    (lce.agree_on_group takes this rank's part in it: ok False, then its own error raises).
+    So every conversion of an argument (int(), float(), a tensor's attributes) belongs in
+    ``prepare``. ``settings`` (text): exchanged here too, the ranks raising where they differ
+    (linear_cross_entropy, whose op does no exchange of its own for them); None: the op's own
+    exchange follows and compares its settings (the losses)."""
+    if group is None or torch.compiler.is_compiling():
+        return prepare()
+    name = group_name_of(group)
+    try:
+        prepared = prepare()
+    except Exception:
+        try:
+            torch.ops.lce.agree_on_group(name, device, False, "")
+        except Exception:  # the group itself failing: this rank's own error says more
+            pass
+        raise
+    if settings is not None:
+        torch.ops.lce.agree_on_group(name, device, True, settings() if callable(settings) else settings)
+    return prepared
+
+
 def _result_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 

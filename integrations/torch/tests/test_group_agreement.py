@@ -3,7 +3,8 @@ a check that lce_torch's Python wrappers make on one rank only (class weights, l
 smoothing, a loss's layout, a DPO reference) raises on every rank instead of leaving the
 others waiting in a collective; settings that shape a loss (its reduction, smoothing,
 class weights, a loss's options and dtype) must be the same on every rank, or every rank
-raises naming its own. The group stays usable after each failure."""
+raises naming its own; so do an argument that fails a Python-side conversion on one rank
+and ranks in different calls. The group stays usable after each failure."""
 
 import pytest
 import torch
@@ -117,11 +118,72 @@ def _loss_checks(rank, world, group):
     assert torch.allclose(total, -every.mean()), (total, -every.mean())
 
 
+def _argument_checks(rank, world, group):
+    """Arguments that fail a Python-side conversion or type check on one rank (a None
+    vocab_start, a list for targets or cu_seqlens, a non-number beta, a non-text
+    reduction): every rank raises, the failing one first with its own message; and ranks
+    in different calls say so rather than reading one call's record as the other's."""
+    import lce_torch
+
+    h, w, y, a, b = _head(rank, world)
+    rejected = "lce_torch: rank 0 rejected its arguments"
+    odd = rank == 0
+    _expect(rank, lambda: lce_torch.linear_logprobs(h, w[a:b], y, vocab_start=None if odd else a, group=group),
+            {0: "int() argument must be", "others": rejected})
+    _expect(rank, lambda: lce_torch.linear_logprobs(h, w[a:b], y.tolist() if odd else y, vocab_start=a, group=group),
+            {0: "targets must be a torch.Tensor, got list", "others": rejected})
+    _expect(rank, lambda: lce_torch.linear_target_set_logprobs(h, w[a:b], y[:, None].tolist() if odd else y[:, None],
+                                                               vocab_start=a, group=group),
+            {0: "ids must be a torch.Tensor, got list", "others": rejected})
+    for fused in (True, False):
+        _expect(rank, lambda: lce_torch.linear_cross_entropy(h.clone().requires_grad_(), w[a:b], y.tolist() if odd
+                                                             else y, vocab_start=a, group=group, fused=fused),
+                {0: "target must be a torch.Tensor, got list", "others": rejected})
+        _expect(rank, lambda: lce_torch.linear_cross_entropy(h, w[a:b], y, vocab_start=a, group=group, fused=fused,
+                                                             temperature="hot" if odd else 1.0),
+                {0: "could not convert string to float", "others": rejected})
+
+    cu = torch.tensor([0, 3, 7, 8, 12])
+    lp = -torch.linspace(0.1, 2.0, 12, dtype=torch.float64)
+    _expect(rank, lambda: lce_torch.sft_loss(lp, None, cu.tolist() if odd else cu, group=group),
+            {0: "cu_seqlens must be a torch.Tensor, got list", "others": rejected})
+    _expect(rank, lambda: lce_torch.sft_loss(lp, None, cu, reduction=None if odd else "token_mean", group=group),
+            {0: "reduction must be a str, got NoneType", "others": rejected})
+    _expect(rank, lambda: lce_torch.dpo_loss(lp, cu, ref_logprobs=lp - 0.1, beta=None if odd else 0.1, group=group),
+            {0: "float() argument must be", "others": rejected})
+    _expect(rank, lambda: lce_torch.policy_gradient_loss(lp, torch.ones(12, dtype=torch.float64), cu,
+                                                         kl=3 if odd else "k3", group=group),
+            {0: "kl must be a str, got int", "others": rejected})
+    sets = torch.full((12, 2), -1.0, dtype=torch.float64)
+    ids = torch.tensor([[0, 1]] * 12)
+    _expect(rank, lambda: lce_torch.distill_loss(sets, sets, ids, cu, tail=None if odd else "bucket", group=group),
+            {0: "tail must be a str, got NoneType", "others": rejected})
+
+    # Ranks in different calls (a loop out of step): each names both calls.
+    crossed = "are in different calls"
+    _expect(rank, lambda: lce_torch.linear_logprobs(h, w[a:b], y, vocab_start=a, group=group) if odd
+            else lce_torch.sft_loss(lp, None, cu, group=group), crossed)
+    _expect(rank, lambda: lce_torch.linear_cross_entropy(h, w[a:b], y, vocab_start=a, group=group) if odd
+            else lce_torch.linear_logprobs(h, w[a:b], y, vocab_start=a, group=group), crossed)
+
+    # A rank outside a group passes what new_group gave it: lce's message, not an AttributeError.
+    _expect(rank, lambda: lce_torch.linear_logprobs(h, w, y, group=torch.distributed.GroupMember.NON_GROUP_MEMBER),
+            "what torch.distributed.new_group returns to a rank outside the group")
+    # shard_vocab_start takes the group's name, as every group= does.
+    assert lce_torch.shard_vocab_start(group.group_name, b - a) == a
+
+    # Still usable, and right.
+    one = torch.log_softmax(h.double() @ w.double().T, -1).gather(1, y[:, None])[:, 0]
+    mine = lce_torch.linear_logprobs(h.double(), w[a:b].double(), y, vocab_start=a, group=group)
+    torch.testing.assert_close(mine, one)
+
+
 def _ranks(rank, world, init_file):
     torch.set_num_threads(1)
     group = init_group(rank, world, init_file)
     _cross_entropy_checks(rank, world, group)
     _loss_checks(rank, world, group)
+    _argument_checks(rank, world, group)
 
 
 @pytest.mark.parametrize("world", [2, 3])
