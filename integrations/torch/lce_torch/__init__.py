@@ -85,6 +85,27 @@ def _options(vocab_start, ignore_index, temperature, softcap, sequence_parallel,
     )
 
 
+def _head_call(fn, op, hidden, weight, ids_name, ids, bias, option_values, with_entropy, return_lse,
+               return_mean_logit):
+    # The option conversions and type checks run inside the checks the group's ranks share.
+    def prepare():
+        refuse_forward_ad(fn, hidden, weight, bias)
+        require_tensors(fn, hidden=hidden, weight=weight, **{ids_name: ids}, bias=bias)
+        return _options(*option_values)
+
+    opts = checked_on_group(option_values[-1], device_of(hidden, weight), prepare)
+    logp, lse, ent, mean = op(hidden, weight, ids, bias, with_entropy=with_entropy,
+                              with_mean_logit=return_mean_logit, **opts)
+    out = (logp,)
+    if with_entropy:
+        out += (ent,)
+    if return_lse:
+        out += (lse,)
+    if return_mean_logit:
+        out += (mean,)
+    return out[0] if len(out) == 1 else out
+
+
 def linear_logprobs(hidden, weight, targets, *, bias=None, vocab_start=0, ignore_index=-100, temperature=1.0,
                     softcap=0.0, with_entropy=False, return_lse=False, return_mean_logit=False, group=None,
                     sequence_parallel=False, chunk_tokens=0, workspace_limit_bytes=_DEFAULT_WORKSPACE):
@@ -111,23 +132,9 @@ def linear_logprobs(hidden, weight, targets, *, bias=None, vocab_start=0, ignore
     ``sequence_parallel``: its own rows of hidden, all targets); the hidden gradient
     is summed over the group (the same on every rank).
     """
-    def prepare():
-        refuse_forward_ad("linear_logprobs", hidden, weight, bias)
-        require_tensors("linear_logprobs", hidden=hidden, weight=weight, targets=targets, bias=bias)
-        return _options(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
-                        workspace_limit_bytes, group)
-
-    opts = checked_on_group(group, device_of(hidden, weight), prepare)
-    logp, lse, ent, mean = torch.ops.lce.logprobs(hidden, weight, targets, bias, with_entropy=with_entropy,
-                                                  with_mean_logit=return_mean_logit, **opts)
-    out = (logp,)
-    if with_entropy:
-        out += (ent,)
-    if return_lse:
-        out += (lse,)
-    if return_mean_logit:
-        out += (mean,)
-    return out[0] if len(out) == 1 else out
+    return _head_call("linear_logprobs", torch.ops.lce.logprobs, hidden, weight, "targets", targets, bias,
+                      (vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
+                       workspace_limit_bytes, group), with_entropy, return_lse, return_mean_logit)
 
 
 def linear_target_set_logprobs(hidden, weight, ids, *, bias=None, vocab_start=0, ignore_index=-100,
@@ -151,23 +158,9 @@ def linear_target_set_logprobs(hidden, weight, ids, *, bias=None, vocab_start=0,
     (each rank its shard of the vocabulary; every rank the same ids).
     Contiguous ids and hidden are used in place (no copy).
     """
-    def prepare():
-        refuse_forward_ad("linear_target_set_logprobs", hidden, weight, bias)
-        require_tensors("linear_target_set_logprobs", hidden=hidden, weight=weight, ids=ids, bias=bias)
-        return _options(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
-                        workspace_limit_bytes, group)
-
-    opts = checked_on_group(group, device_of(hidden, weight), prepare)
-    logp, lse, ent, mean = torch.ops.lce.target_set_logprobs(hidden, weight, ids, bias, with_entropy=with_entropy,
-                                                             with_mean_logit=return_mean_logit, **opts)
-    out = (logp,)
-    if with_entropy:
-        out += (ent,)
-    if return_lse:
-        out += (lse,)
-    if return_mean_logit:
-        out += (mean,)
-    return out[0] if len(out) == 1 else out
+    return _head_call("linear_target_set_logprobs", torch.ops.lce.target_set_logprobs, hidden, weight, "ids", ids,
+                      bias, (vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
+                             workspace_limit_bytes, group), with_entropy, return_lse, return_mean_logit)
 
 
 def _check_class_weight(class_weight, linear_weight, vocab_start, group):
