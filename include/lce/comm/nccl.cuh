@@ -100,7 +100,7 @@ class nccl {
 
   void all_gather_host(const std::int64_t* send, std::int64_t* receive, std::int64_t count) const {
     const auto bytes = static_cast<std::size_t>(count) * sizeof(std::int64_t);
-    auto* device = static_cast<char*>(staging_->reserve(bytes * static_cast<std::size_t>(size_ + 1)));
+    auto* device = static_cast<char*>(staging_->at_least(bytes * static_cast<std::size_t>(size_ + 1)));
     LCE_CUDA_TRY(cudaMemcpyAsync(device, send, bytes, cudaMemcpyHostToDevice, stream_));
     LCE_NCCL_TRY(ncclAllGather(device, device + bytes, bytes, ncclUint8, comm_, stream_));
     LCE_CUDA_TRY(cudaMemcpyAsync(receive, device + bytes, bytes * static_cast<std::size_t>(size_),
@@ -109,7 +109,7 @@ class nccl {
   }
 
   bool all_agree(bool flag) const {
-    auto* device = static_cast<std::int32_t*>(staging_->reserve(sizeof(std::int32_t)));
+    auto* device = static_cast<std::int32_t*>(staging_->at_least(sizeof(std::int32_t)));
     std::int32_t value = flag ? 1 : 0;
     LCE_CUDA_TRY(cudaMemcpyAsync(device, &value, sizeof value, cudaMemcpyHostToDevice, stream_));
     LCE_NCCL_TRY(ncclAllReduce(device, device, 1, ncclInt32, ncclMin, comm_, stream_));
@@ -129,32 +129,27 @@ class nccl {
   // (detail::call_record::values) and a loss's token count fit with room to spare.
   static constexpr std::size_t control_values = 32;
 
-  // A small device buffer for the control collectives, shared by copies; it grows (on the
-  // communicator's device) only for a gather of more than control_values values.
+  // The control collectives' device buffer, made once on the communicator's device and shared
+  // by copies.
   struct staging {
     void* data = nullptr;
     std::size_t bytes = 0;
-    int device = 0;
-    staging(int on_device, std::size_t initial_bytes) : device(on_device) { reserve(initial_bytes); }
+    staging(int device, std::size_t size) {
+      int current = 0;
+      LCE_CUDA_TRY(cudaGetDevice(&current));
+      LCE_CUDA_TRY(cudaSetDevice(device));
+      const cudaError_t allocated = cudaMalloc(&data, size);
+      cudaSetDevice(current);
+      detail::check_cuda(allocated, "cudaMalloc(&data, size) (lce::comm::nccl's staging buffer)", __FILE__, __LINE__);
+      bytes = size;
+    }
     staging(const staging&) = delete;
     staging& operator=(const staging&) = delete;
-    ~staging() {
-      if (data) cudaFree(data);
-    }
-    void* reserve(std::size_t wanted) {
-      if (wanted > bytes) {
-        int current = 0;
-        LCE_CUDA_TRY(cudaGetDevice(&current));
-        LCE_CUDA_TRY(cudaSetDevice(device));
-        if (data) cudaFree(data);
-        data = nullptr;
-        bytes = 0;
-        const cudaError_t allocated = cudaMalloc(&data, wanted);
-        cudaSetDevice(current);
-        detail::check_cuda(allocated, "cudaMalloc(&data, wanted) (lce::comm::nccl's staging buffer)", __FILE__,
-                           __LINE__);
-        bytes = wanted;
-      }
+    ~staging() { cudaFree(data); }
+    // The same size on every rank (values x ranks), so every rank raises here alike.
+    void* at_least(std::size_t wanted) const {
+      detail::expects(wanted <= bytes, "lce::comm::nccl: a control collective of ", wanted, " bytes exceeds its ",
+                      bytes, "-byte staging buffer (", control_values, " values per rank)");
       return data;
     }
   };

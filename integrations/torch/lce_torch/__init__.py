@@ -85,15 +85,15 @@ def _options(vocab_start, ignore_index, temperature, softcap, sequence_parallel,
     )
 
 
-def _head_call(fn, op, hidden, weight, ids_name, ids, bias, option_values, with_entropy, return_lse,
+def _head_call(fn, op, hidden, weight, ids_name, ids, bias, group, option_values, with_entropy, return_lse,
                return_mean_logit):
     # The option conversions and type checks run inside the checks the group's ranks share.
     def prepare():
         refuse_forward_ad(fn, hidden, weight, bias)
         require_tensors(fn, hidden=hidden, weight=weight, **{ids_name: ids}, bias=bias)
-        return _options(*option_values)
+        return _options(*option_values, group)
 
-    opts = checked_on_group(option_values[-1], device_of(hidden, weight), prepare)
+    opts = checked_on_group(group, device_of(hidden, weight), prepare)
     logp, lse, ent, mean = op(hidden, weight, ids, bias, with_entropy=with_entropy,
                               with_mean_logit=return_mean_logit, **opts)
     out = (logp,)
@@ -132,9 +132,9 @@ def linear_logprobs(hidden, weight, targets, *, bias=None, vocab_start=0, ignore
     ``sequence_parallel``: its own rows of hidden, all targets); the hidden gradient
     is summed over the group (the same on every rank).
     """
-    return _head_call("linear_logprobs", torch.ops.lce.logprobs, hidden, weight, "targets", targets, bias,
+    return _head_call("linear_logprobs", torch.ops.lce.logprobs, hidden, weight, "targets", targets, bias, group,
                       (vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
-                       workspace_limit_bytes, group), with_entropy, return_lse, return_mean_logit)
+                       workspace_limit_bytes), with_entropy, return_lse, return_mean_logit)
 
 
 def linear_target_set_logprobs(hidden, weight, ids, *, bias=None, vocab_start=0, ignore_index=-100,
@@ -159,8 +159,8 @@ def linear_target_set_logprobs(hidden, weight, ids, *, bias=None, vocab_start=0,
     Contiguous ids and hidden are used in place (no copy).
     """
     return _head_call("linear_target_set_logprobs", torch.ops.lce.target_set_logprobs, hidden, weight, "ids", ids,
-                      bias, (vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
-                             workspace_limit_bytes, group), with_entropy, return_lse, return_mean_logit)
+                      bias, group, (vocab_start, ignore_index, temperature, softcap, sequence_parallel,
+                                    chunk_tokens, workspace_limit_bytes), with_entropy, return_lse, return_mean_logit)
 
 
 def _check_class_weight(class_weight, linear_weight, vocab_start, group):
