@@ -131,35 +131,19 @@ lce::loss_reduction parse_reduction(const std::string& r) {
   return lce::loss_reduction::sequence_mean;
 }
 
-// One exchange of verdicts over a group (verdicts.hpp), shared by the losses (their
-// normaliser) and lce_torch.agree_on_group (Python-side checks and settings:
-// linear_cross_entropy, and a loss whose Python wrapper rejects its arguments before the
-// op). Every rank sends {ok, its call's kind, a fingerprint of its settings, its count of
-// loss units}. A rank that failed returns (and raises its own error); every other rank
+// A loss's exchange of verdicts over a group (verdicts.hpp), which a rank whose Python
+// wrapper rejected its arguments meets through lce_torch.agree_on_group. Every rank sends
+// {ok, its call's kind, a fingerprint of its settings, its count of loss units}. A rank that failed returns (and raises its own error); every other rank
 // raises "rank r rejected its arguments", or, where two ranks' calls or settings differ,
 // names them. So bad input or disagreeing options on one rank raise on every rank, never
 // leaving the others waiting in a later collective or computing with settings of their
 // own. Returns the units summed over the group.
-std::int64_t settings_fingerprint(const std::string& settings) {
-  std::uint64_t h = 14695981039346656037ull;  // FNV-1a: the same on every rank and build
-  for (const unsigned char c : settings) h = (h ^ c) * 1099511628211ull;
-  return static_cast<std::int64_t>(h >> 1);
-}
-
 std::int64_t agree_verdicts(const process_group& comm, exchange_kind kind, bool ok, const std::string& settings,
                             std::int64_t units) {
-  const verdict mine{ok ? 1 : 0, static_cast<std::int64_t>(kind), ok ? settings_fingerprint(settings) : 0, units};
-  const auto all = exchange_verdicts(comm, mine);
-  if (!ok) return 0;
+  const auto all = exchange_verdicts(comm, ok, kind, settings, units, 0);
   std::int64_t total = 0;
-  for (int r = 0; r < comm.size(); ++r) {
-    const verdict& theirs = all[static_cast<std::size_t>(r)];
-    TORCH_CHECK(theirs.first == mine.first, "lce_torch: the call's settings differ across the ranks of group '",
-                comm.name(), "': rank ", comm.rank(), " has ", settings, ", rank ", r,
-                " others (every rank must pass the same options, dtypes and class weights)");
-    total += theirs.second;
-  }
-  return total;
+  for (const verdict& theirs : all) total += theirs.first;
+  return ok ? total : 0;
 }
 
 // The normaliser of a loss: prepare() runs the local checks, sets up the
@@ -202,10 +186,11 @@ double normaliser_of(exchange_kind kind, const std::optional<double>& normaliser
   return static_cast<double>(total);
 }
 
-// lce.agree_on_group: a Python wrapper's side of agree_verdicts (no units).
-void agree_on_group(const std::string& group_name, c10::Device device, bool ok, const std::string& settings) {
+// lce.agree_on_group: a Python wrapper's side of the exchange, where its own checks
+// rejected its arguments before its operator (ok false).
+void agree_on_group(const std::string& group_name, c10::Device device, bool ok) {
   const process_group comm(group_name, device);
-  if (comm.size() > 1) agree_verdicts(comm, exchange_kind::python_settings, ok, settings, 0);
+  if (comm.size() > 1) exchange_verdicts(comm, ok, exchange_kind::python_checks, "", 0, 0);
 }
 
 // A call's settings as text, for agree_verdicts (doubles to 17 digits: equal text, equal values).
@@ -561,7 +546,7 @@ void losses_via_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 // A fragment of the `lce` library that register.cpp defines (TORCH_LIBRARY may
 // appear once per namespace).
 TORCH_LIBRARY_FRAGMENT(lce, m) {
-  m.def("agree_on_group(str group_name, Device device, bool ok, str settings) -> ()", &lce_torch::agree_on_group);
+  m.def("agree_on_group(str group_name, Device device, bool ok) -> ()", &lce_torch::agree_on_group);
   m.def("next_token_targets(Tensor token_ids, Tensor? cu_seqlens=None, *, int ignore_index=-100) -> Tensor",
         lce_torch::op_tags());
   m.def("sequence_logprobs(Tensor logprobs, Tensor? targets=None, Tensor? cu_seqlens=None, Tensor? weights=None, *, "

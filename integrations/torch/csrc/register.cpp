@@ -20,7 +20,10 @@
 //
 // Every op takes the same keyword options: vocab_start, ignore_index,
 // temperature, softcap, sequence_parallel, chunk_tokens, workspace_limit_bytes,
-// group_name (a torch.distributed group's name; None: one rank).
+// group_name (a torch.distributed group's name; None: one rank) and
+// caller_settings (text the ranks of a group must share beyond lce's own call,
+// compared in the exchange of verdicts: what the caller makes of the results,
+// e.g. linear_cross_entropy's reduction; ignored without a group).
 
 #include "kernels.hpp"
 #include "op_tags.hpp"
@@ -53,11 +56,12 @@ namespace {
 
 #define LCE_TORCH_OPTIONS                                                                                        \
   "int vocab_start=0, int ignore_index=-100, float temperature=1.0, float softcap=0.0, "                        \
-  "bool sequence_parallel=False, int chunk_tokens=0, int workspace_limit_bytes=268435456, str? group_name=None"
+  "bool sequence_parallel=False, int chunk_tokens=0, int workspace_limit_bytes=268435456, str? group_name=None, " \
+  "str caller_settings=''"
 
 config make_config(std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap,
                    bool sequence_parallel, std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes,
-                   const std::optional<std::string>& group_name) {
+                   const std::optional<std::string>& group_name, std::string caller_settings) {
   config c;
   c.vocab_start = vocab_start;
   c.ignore_index = ignore_index;
@@ -67,6 +71,7 @@ config make_config(std::int64_t vocab_start, std::int64_t ignore_index, double t
   c.chunk_tokens = chunk_tokens;
   c.workspace_limit_bytes = workspace_limit_bytes;
   c.group_name = group_name;
+  c.caller_settings = std::move(caller_settings);
   return c;
 }
 
@@ -139,7 +144,8 @@ std::int64_t dtype_code(const at::Tensor& t) { return static_cast<std::int64_t>(
 // rank whose arguments fail here (a dtype, a shape torch rejects, bad options,
 // a group without a backend for its tensors) makes every rank raise instead of
 // leaving the others waiting in a collective: it gets its own error, the
-// others "lce_torch: rank r rejected its arguments". A rank on the CPU beside
+// others "lce_torch: rank r rejected its arguments"; ranks whose caller_settings
+// differ raise saying so. A rank on the CPU beside
 // ranks on CUDA would run other kernels with other collectives: refused too.
 template <class Prepare>
 auto agreed(exchange_kind kind, const config& c, const at::Tensor& hidden, Prepare&& prepare) {
@@ -154,9 +160,8 @@ auto agreed(exchange_kind kind, const config& c, const at::Tensor& hidden, Prepa
   if (c.group_name) {
     const process_group comm(*c.group_name, hidden.device());
     if (comm.size() > 1) {
-      const auto all = exchange_verdicts(
-          comm, verdict{failure ? 0 : 1, static_cast<std::int64_t>(kind), dtype_code(hidden),
-                        static_cast<std::int64_t>(hidden.device().type())});
+      const auto all = exchange_verdicts(comm, !failure, kind, c.caller_settings, dtype_code(hidden),
+                                         static_cast<std::int64_t>(hidden.device().type()));
       if (failure) std::rethrow_exception(failure);
       const verdict& first = all.front();
       for (int r = 1; r < comm.size(); ++r) {
@@ -181,9 +186,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprobs_on(
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
     const std::optional<at::Tensor>& bias, bool with_entropy,
     bool with_mean_logit, std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel,
-    std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name) {
+    std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name,
+    std::string caller_settings) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
-                               workspace_limit_bytes, group_name);
+                               workspace_limit_bytes, group_name, std::move(caller_settings));
   return agreed(exchange_kind::logprobs, c, hidden, [&] {
     check_inputs<Device>(hidden, weight, targets, c);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
@@ -198,9 +204,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logprobs_backward_on(
     const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& lse,
     const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit,
     const std::optional<at::Tensor>& bias, std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel,
-    std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name) {
+    std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name,
+    std::string caller_settings) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
-                               workspace_limit_bytes, group_name);
+                               workspace_limit_bytes, group_name, std::move(caller_settings));
   return agreed(exchange_kind::logprobs_backward, c, hidden, [&] {
     check_inputs<Device>(hidden, weight, targets, c);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
@@ -215,9 +222,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& grad_logprobs,
     const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit,
     const std::optional<at::Tensor>& bias, bool with_mean_logit, std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel,
-    std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name) {
+    std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name,
+    std::string caller_settings) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
-                               workspace_limit_bytes, group_name);
+                               workspace_limit_bytes, group_name, std::move(caller_settings));
   return agreed(exchange_kind::logprobs_forward_backward, c, hidden, [&] {
     check_inputs<Device>(hidden, weight, targets, c);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
@@ -233,9 +241,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> target_set_logprobs_o
     bool with_entropy,
     bool with_mean_logit, std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap,
     bool sequence_parallel, std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes,
-    std::optional<std::string> group_name) {
+    std::optional<std::string> group_name, std::string caller_settings) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
-                               workspace_limit_bytes, group_name);
+                               workspace_limit_bytes, group_name, std::move(caller_settings));
   return agreed(exchange_kind::target_set_logprobs, c, hidden, [&] {
     check_inputs<Device>(hidden, weight, ids, c, targets_kind::sets_of_k);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
@@ -250,9 +258,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> target_set_logprobs_backward_on(
     const at::Tensor& weight, const at::Tensor& ids, const at::Tensor& lse,
     const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit,
     const std::optional<at::Tensor>& bias, std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel,
-    std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name) {
+    std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name,
+    std::string caller_settings) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
-                               workspace_limit_bytes, group_name);
+                               workspace_limit_bytes, group_name, std::move(caller_settings));
   return agreed(exchange_kind::target_set_logprobs_backward, c, hidden, [&] {
     check_inputs<Device>(hidden, weight, ids, c, targets_kind::sets_of_k);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {

@@ -33,6 +33,7 @@ struct config {
   std::int64_t chunk_tokens = 0;
   std::int64_t workspace_limit_bytes = std::int64_t{256} << 20;
   std::optional<std::string> group_name;
+  std::string caller_settings;  // compared across the group's ranks (register.cpp's agreed)
 
   lce::options to_options() const {
     TORCH_CHECK(workspace_limit_bytes > 0, "lce: options.workspace_limit_bytes must be > 0, got ",

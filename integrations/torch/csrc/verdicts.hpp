@@ -2,13 +2,18 @@
 // The exchange of verdicts that precedes every lce_torch call on a group
 // (register.cpp's operators, losses.cpp's losses, lce.agree_on_group).
 //
-// Every such exchange gathers the same record from each rank, {ok, kind, two
-// values of the call's own}, so that a rank whose Python-side checks reject its
-// arguments before it reaches an operator (lce.agree_on_group with ok false)
-// still meets the other ranks' exchange, whichever call they are in, and every
-// rank raises. The kind names the call: ranks in different calls (a training
-// loop out of step across the group) raise saying so, rather than reading one
-// call's values as the other's.
+// Every such exchange gathers the same record from each rank, {ok, kind, a
+// fingerprint of the call's settings, two values of the call's own}, so that a
+// rank whose Python-side checks reject its arguments before it reaches an
+// operator (lce.agree_on_group with ok false) still meets the other ranks'
+// exchange, whichever call they are in, and every rank raises. The kind names
+// the call: ranks in different calls (a training loop out of step across the
+// group) raise saying so, rather than reading one call's values as the other's.
+// The settings are text that the ranks of one call must share: a loss's
+// options, or what a Python wrapper makes of an operator's results
+// (linear_cross_entropy's reduction, smoothing and class weights, passed to the
+// operator as caller_settings so that the check also holds inside torch.compile,
+// where no Python-side exchange runs).
 
 #include "process_group_comm.hpp"
 
@@ -31,7 +36,7 @@ enum class exchange_kind : std::int64_t {
   dpo_loss,
   policy_gradient_loss,
   distill_loss,
-  python_settings,  // lce.agree_on_group: a Python wrapper's settings (linear_cross_entropy's)
+  python_checks,  // lce.agree_on_group: a Python wrapper's own checks, before its operator
 };
 
 inline const char* exchange_kind_name(std::int64_t kind) {
@@ -45,31 +50,43 @@ inline const char* exchange_kind_name(std::int64_t kind) {
     case exchange_kind::dpo_loss: return "lce.dpo_loss";
     case exchange_kind::policy_gradient_loss: return "lce.policy_gradient_loss";
     case exchange_kind::distill_loss: return "lce.distill_loss";
-    case exchange_kind::python_settings: return "linear_cross_entropy's settings";
+    case exchange_kind::python_checks: return "a Python wrapper's checks";
   }
   return "an unknown lce_torch call";
 }
 
+// FNV-1a of the settings' text: equal text gives an equal value on every rank and build.
+inline std::int64_t settings_fingerprint(const std::string& settings) {
+  std::uint64_t h = 14695981039346656037ull;
+  for (const unsigned char c : settings) h = (h ^ c) * 1099511628211ull;
+  return static_cast<std::int64_t>(h >> 1);
+}
+
 struct verdict {
-  static constexpr std::size_t fields = 4;
+  static constexpr std::size_t fields = 5;
   std::int64_t ok = 0;
   std::int64_t kind = 0;
-  std::int64_t first = 0;   // the call's own values
+  std::int64_t settings = 0;  // settings_fingerprint of the call's settings
+  std::int64_t first = 0;     // the call's own values
   std::int64_t second = 0;
 };
 
-// Gathers every rank's verdict. A rank that failed gets the records back and
-// raises its own error (the caller rethrows it); on the others this raises
-// "rank r rejected its arguments" where one did, then names the ranks' calls
-// where they differ. Returns the records, rank by rank.
-inline std::vector<verdict> exchange_verdicts(const process_group& comm, const verdict& mine) {
+// Gathers every rank's verdict, mine made of {ok, kind, settings' fingerprint,
+// first, second}. A rank that failed gets the records back and raises its own
+// error (the caller rethrows it); on the others this raises "rank r rejected
+// its arguments" where one did, then names the ranks' calls where they differ,
+// then their settings. Returns the records, rank by rank.
+inline std::vector<verdict> exchange_verdicts(const process_group& comm, bool ok, exchange_kind kind,
+                                              const std::string& settings, std::int64_t first, std::int64_t second) {
+  const verdict mine{ok ? 1 : 0, static_cast<std::int64_t>(kind), ok ? settings_fingerprint(settings) : 0, first,
+                     second};
   std::vector<std::int64_t> all(verdict::fields * static_cast<std::size_t>(comm.size()));
-  const std::int64_t sent[verdict::fields] = {mine.ok, mine.kind, mine.first, mine.second};
+  const std::int64_t sent[verdict::fields] = {mine.ok, mine.kind, mine.settings, mine.first, mine.second};
   comm.all_gather_host(sent, all.data(), static_cast<std::int64_t>(verdict::fields));
   std::vector<verdict> records(static_cast<std::size_t>(comm.size()));
   for (std::size_t r = 0; r < records.size(); ++r) {
     const std::int64_t* v = all.data() + verdict::fields * r;
-    records[r] = verdict{v[0], v[1], v[2], v[3]};
+    records[r] = verdict{v[0], v[1], v[2], v[3], v[4]};
   }
   if (mine.ok != 1) return records;
   for (int r = 0; r < comm.size(); ++r)
@@ -77,9 +94,15 @@ inline std::vector<verdict> exchange_verdicts(const process_group& comm, const v
   for (int r = 0; r < comm.size(); ++r) {
     const std::int64_t theirs = records[static_cast<std::size_t>(r)].kind;
     TORCH_CHECK(theirs == mine.kind, "lce_torch: the ranks of group '", comm.name(), "' are in different calls: rank ",
-                comm.rank(), " in ", exchange_kind_name(mine.kind), ", rank ", r, " in ", exchange_kind_name(theirs),
+                comm.rank(), " in ", exchange_kind_name(mine.kind), settings.empty() ? "" : ", called as ", settings,
+                ", rank ", r, " in ", exchange_kind_name(theirs),
                 " (every rank of a group must make the same lce_torch calls in the same order)");
   }
+  for (int r = 0; r < comm.size(); ++r)
+    TORCH_CHECK(records[static_cast<std::size_t>(r)].settings == mine.settings,
+                "lce_torch: the call's settings differ across the ranks of group '", comm.name(), "': rank ",
+                comm.rank(), " has ", settings.empty() ? std::string("none") : settings, ", rank ", r,
+                " others (every rank must make the same call with the same options, dtypes and class weights)");
   return records;
 }
 

@@ -91,7 +91,10 @@ def _head_call(fn, op, hidden, weight, ids_name, ids, bias, group, option_values
     def prepare():
         refuse_forward_ad(fn, hidden, weight, bias)
         require_tensors(fn, hidden=hidden, weight=weight, **{ids_name: ids}, bias=bias)
-        return _options(*option_values, group)
+        opts = _options(*option_values, group)
+        if group is not None:
+            opts["caller_settings"] = fn  # so that a rank in another wrapper of the same op says so
+        return opts
 
     opts = checked_on_group(group, device_of(hidden, weight), prepare)
     logp, lse, ent, mean = op(hidden, weight, ids, bias, with_entropy=with_entropy,
@@ -209,8 +212,14 @@ def _check_targets_weighted(targets, class_weight, ignore_index):
 
 def _class_weight_fingerprint(class_weight):
     # Its bytes' CRC: equal weights give equal text on every rank, whatever its threads.
+    # (Traced by torch.compile, its dtype and shape alone: a trace cannot read the values.)
+    if class_weight is None:
+        return "none"
+    described = f"{class_weight.dtype} {list(class_weight.shape)}"
+    if torch.compiler.is_compiling():
+        return described
     data = class_weight.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
-    return f"{class_weight.dtype} {list(class_weight.shape)} crc32 {zlib.crc32(data):08x}"
+    return f"{described} crc32 {zlib.crc32(data):08x}"
 
 
 def _token_weights(targets, class_weight, ignore_index, dtype):
@@ -337,16 +346,15 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
         if weight is not None:
             _check_class_weight(weight, linear_weight, vocab_start, group)
             _check_targets_weighted(target, weight, opts["ignore_index"])
+        if group is not None:
+            # What the ranks' shares of one loss must agree on beyond lce's own call (which
+            # compares the shapes, options and targets): how the loss is made from the
+            # log-probs. The op's exchange compares it, inside torch.compile too.
+            opts["caller_settings"] = (f"linear_cross_entropy(reduction={reduction!r}, label_smoothing={smoothing!r}, "
+                                       f"fused={bool(fused)}, weight {_class_weight_fingerprint(weight)})")
         return smoothing, opts
 
-    def settings():
-        # What the ranks' shares of one loss must agree on beyond lce's own call (which
-        # compares the shapes, options and targets): how the loss is made from the log-probs.
-        weights = "none" if weight is None else _class_weight_fingerprint(weight)
-        return (f"linear_cross_entropy(reduction={reduction!r}, label_smoothing={float(label_smoothing)!r}, "
-                f"fused={bool(fused)}, weight {weights})")
-
-    label_smoothing, opts = checked_on_group(group, device_of(input, linear_weight), check, settings)
+    label_smoothing, opts = checked_on_group(group, device_of(input, linear_weight), check)
     needs_grad = torch.is_grad_enabled() and (input.requires_grad or linear_weight.requires_grad or
                                               (linear_bias is not None and linear_bias.requires_grad))
     if reduction != "none" and fused and needs_grad:

@@ -29,6 +29,7 @@ OPTION_NAMES = (
     "chunk_tokens",
     "workspace_limit_bytes",
     "group_name",
+    "caller_settings",
 )
 
 
@@ -87,29 +88,25 @@ def require_tensors(fn, **arguments):
             raise TypeError(f"lce_torch.{fn}: {name} must be a torch.Tensor, got {type(value).__name__}")
 
 
-def checked_on_group(group, device, prepare, settings=None):
+def checked_on_group(group, device, prepare):
     """Runs ``prepare()``, this rank's Python-side checks and conversions (no collective), and
     returns what it returns. With a group (outside torch.compile), every rank must learn of
     a check that raises here, or the others would wait in the op's exchange
     (lce.agree_on_group takes this rank's part in it: ok False, then its own error raises).
     So every conversion of an argument (int(), float(), a tensor's attributes) belongs in
-    ``prepare``. ``settings`` (text): exchanged here too, the ranks raising where they differ
-    (linear_cross_entropy, whose op does no exchange of its own for them); None: the op's own
-    exchange follows and compares its settings (the losses)."""
+    ``prepare``. (Settings the ranks must share beyond lce's own call go to the op as its
+    ``caller_settings``, compared in the op's exchange, inside torch.compile too.)"""
     if group is None or torch.compiler.is_compiling():
         return prepare()
     name = group_name_of(group)
     try:
-        prepared = prepare()
+        return prepare()
     except Exception:
         try:
-            torch.ops.lce.agree_on_group(name, device, False, "")
+            torch.ops.lce.agree_on_group(name, device, False)
         except Exception:  # the group itself failing: this rank's own error says more
             pass
         raise
-    if settings is not None:
-        torch.ops.lce.agree_on_group(name, device, True, settings() if callable(settings) else settings)
-    return prepared
 
 
 def _result_dtype(dtype):

@@ -59,6 +59,14 @@ def _cross_entropy_checks(rank, world, group):
     _expect(rank, lambda: ce(label_smoothing=0.1 if rank == 0 else 0.2), settings)
     _expect(rank, lambda: ce(weight=torch.ones(V) + (rank == world - 1)), settings)
     _expect(rank, lambda: ce("none" if rank == 0 else "mean"), "reduction='none'" if rank == 0 else "reduction='mean'")
+    # Inside torch.compile (no Python-side exchange) the op's own exchange compares them.
+    for mine, fused in ((dict(reduction="mean" if rank == 0 else "sum"), True),
+                        (dict(label_smoothing=0.1 if rank == 0 else 0.2), False),
+                        (dict(weight=torch.ones(V) if rank == 0 else None), True)):
+        step = torch.compile(lambda hh, ww, kw=mine, fused=fused: lce_torch.linear_cross_entropy(
+            hh, ww, y, group=group, vocab_start=a, fused=fused, **kw), fullgraph=True, backend="aot_eager")
+        _expect(rank, lambda: step(h.clone().requires_grad_(), w[a:b].clone().requires_grad_()).backward(), settings)
+    torch._dynamo.reset()
 
     # Still usable, and right: one process's loss and gradient.
     cw = torch.linspace(0.5, 1.5, V)
@@ -163,8 +171,10 @@ def _argument_checks(rank, world, group):
     crossed = "are in different calls"
     _expect(rank, lambda: lce_torch.linear_logprobs(h, w[a:b], y, vocab_start=a, group=group) if odd
             else lce_torch.sft_loss(lp, None, cu, group=group), crossed)
+    # Two wrappers of one op: each names its own call.
     _expect(rank, lambda: lce_torch.linear_cross_entropy(h, w[a:b], y, vocab_start=a, group=group) if odd
-            else lce_torch.linear_logprobs(h, w[a:b], y, vocab_start=a, group=group), crossed)
+            else lce_torch.linear_logprobs(h, w[a:b], y, vocab_start=a, group=group),
+            {0: "rank 0 has linear_cross_entropy(reduction='mean'", "others": f"rank {rank} has linear_logprobs, "})
 
     # A rank outside a group passes what new_group gave it: lce's message, not an AttributeError.
     _expect(rank, lambda: lce_torch.linear_logprobs(h, w, y, group=torch.distributed.GroupMember.NON_GROUP_MEMBER),
