@@ -9,7 +9,9 @@ mean cross-entropy of an LM head, hidden [N, H] -> logits [N, V] -> loss.
   lce_2sweep    lce_torch.linear_cross_entropy(x, w, y, fused=False)
                 (forward, then the backward op: 4 GEMMs/chunk, as for log-probs with any loss)
   lce_<M>mib    lce with workspace_limit_bytes = M MiB (e.g. lce_32mib), and
-  lce_chunk<R>  lce with chunks of R tokens: run only when named in --variants
+  lce_chunk<R>  lce with chunks of R tokens,
+  lce_share<P>  lce with max_logits_share = P / 100 (e.g. lce_share35: up to 35% of the fp32
+                logits' memory to compute each logit once): run only when named in --variants
   lce_amx, lce_avx512bf16, lce_mkl, lce_widen
                 lce with that bf16 GEMM (lce_torch.set_bf16_gemm; "lce" and the others run the
                 default): run only when named in --variants
@@ -120,18 +122,21 @@ BF16_GEMM_VARIANTS = ("lce_amx", "lce_avx512bf16", "lce_mkl", "lce_widen")  # lc
 
 
 def lce_path(name):
-    """lce's variants: a name of VARIANTS, lce_chunk<R>, lce_<M>mib or lce_<bf16 GEMM>."""
+    """lce's variants: a name of VARIANTS, lce_chunk<R>, lce_share<P>, lce_<M>mib or lce_<bf16 GEMM>."""
     if name in VARIANTS:
         return VARIANTS[name]
     if name.startswith("lce_chunk") and name[len("lce_chunk"):].isdigit():
         rows = int(name[len("lce_chunk"):])
         return lambda x, w, y: lce_torch.linear_cross_entropy(x, w, y, chunk_tokens=rows)
+    if name.startswith("lce_share") and name[len("lce_share"):].isdigit():
+        share = int(name[len("lce_share"):]) / 100
+        return lambda x, w, y: lce_torch.linear_cross_entropy(x, w, y, max_logits_share=share)
     if name.startswith("lce_") and name.endswith("mib") and name[4:-3].isdigit():
         limit = int(name[4:-3]) << 20
         return lambda x, w, y: lce_torch.linear_cross_entropy(x, w, y, workspace_limit_bytes=limit)
     if name in BF16_GEMM_VARIANTS:
         return VARIANTS["lce"]
-    raise SystemExit(f"unknown variant {name!r}: any of {','.join(VARIANTS)}, lce_chunk<R>, lce_<M>mib, "
+    raise SystemExit(f"unknown variant {name!r}: any of {','.join(VARIANTS)}, lce_chunk<R>, lce_share<P>, lce_<M>mib, "
                      f"{', '.join(BF16_GEMM_VARIANTS)}")
 
 
@@ -186,7 +191,8 @@ def main():
     p.add_argument("--threads", default="1,2")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--variants", default=DEFAULT_VARIANTS,
-                   help=f"any of {','.join(VARIANTS)}, lce_chunk<R> (R-token chunks), lce_<M>mib (M MiB workspace)")
+                   help=f"any of {','.join(VARIANTS)}, lce_chunk<R> (R-token chunks), lce_share<P> "
+                        "(max_logits_share P / 100), lce_<M>mib (M MiB workspace)")
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--json", default="")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])

@@ -569,6 +569,63 @@ TEST_CASE("bf16 operands: a long forward_backward sums most of dW in the token o
   LCE_CHECK_CMP(compare_gradient("db", gb, columns(want_b.dw, v, h, 1), 3 * 0x1p-8));
 }
 
+// options.max_logits_share sets what a call may hold to compute each logit once. Here
+// (N 1,024, H 16, V 8,000: the budget's plan is the vocabulary order, its tiles of 1,024
+// columns holding less than chunks of 192 tokens; the fp32 logits are 32.8 MB, a chunk 6.1,
+// the dW sum's rest 256 KB) a share of 1 holds the sum and its chunks (the token order: N V
+// logits, three GEMMs), the default's tenth or 0 neither (the vocabulary order: most logits
+// twice).
+TEST_CASE("bf16 operands: max_logits_share trades memory for the logits computed again") {
+  using T = lce::bfloat16;
+  constexpr std::int64_t n = 1024, h = 16, v = 8000;
+  constexpr std::size_t budget = std::size_t{64} << 20;
+  problem p = make_problem(n, h, v, 93, rounder_for<T>(), 1.0, 0.3, 0.1);
+  const forward_result ref = reference_forward(p);
+  const std::vector<double> g = random_vector(n, 94, -1, 1, rounder_for<float>());
+  const std::vector<double> zero(static_cast<std::size_t>(n), 0.0);
+  const gradients want = reference_with_terms(p, ref, g, zero, zero, zero);
+  const auto X = make_matrix<T>(p.x, n, h);
+  const auto W = make_matrix<T>(p.w, v, h);
+  const auto Y = make_targets<std::int64_t>(p.y);
+  const vector_buf<float> G(g);
+  const std::size_t logits_bytes = static_cast<std::size_t>(n * v) * sizeof(float);
+  for (const float share : {1.0f, 0.1f, 0.0f}) {
+    CAPTURE(share);
+    auto opt = make_options();
+    opt.overwrite_weight_gradients = true;
+    opt.workspace_limit_bytes = budget;
+    opt.max_logits_share = share;
+    auto op = bf16_operands_env::make_op<T>(opt, 1);
+    vector_buf<float> lp(n), lse(n);
+    matrix_buf<T> gh(n, h), gw(v, h);
+    gw.fill(lce::bfloat16(std::numeric_limits<float>::quiet_NaN()));
+    const std::int64_t before = shared_calls().logits_elements.load();
+    op.forward_backward(X.cview(), W.cview(), Y.cview(), lce::row_gradients<float>{G.cview(), {}, {}, {}},
+                        lce::row_outputs<float>{lp.view(), lse.view(), {}, {}}, gh.view(), gw.view());
+    const std::int64_t logits = shared_calls().logits_elements.load() - before;
+    const std::size_t held = op.held_workspace_bytes();
+    CAPTURE(logits);
+    CAPTURE(held);
+    CHECK(held <= op.workspace_bytes(n, h, v));
+    if (share == 1.0f) {
+      CHECK(logits == n * v);
+      CHECK(held > static_cast<std::size_t>(v * h) * sizeof(T));  // the sum's rest, beyond grad_weight
+      CHECK(held <= logits_bytes);
+    } else {
+      CHECK(logits > n * v + n * (v / 2));
+    }
+    const auto rel = [&](std::int64_t, double w) { return base_tol<T>() * 10 * (1 + std::fabs(w)); };
+    LCE_CHECK_CMP(compare(
+        "logprobs", n, [&](std::int64_t i) { return lp.get(i); },
+        [&](std::int64_t i) { return static_cast<double>(ref.logp[i]); }, rel));
+    LCE_CHECK_CMP(compare(
+        "lse", n, [&](std::int64_t i) { return lse.get(i); },
+        [&](std::int64_t i) { return static_cast<double>(ref.lse[i]); }, rel));
+    LCE_CHECK_CMP(compare_gradient("dX", gh, want.dx, 3 * 0x1p-8));
+    LCE_CHECK_CMP(compare_gradient("dW", gw, want.dw, 3 * 0x1p-8));
+  }
+}
+
 // The worst of each token's dX and of its target's dW row against the reference in double,
 // relative to that row's largest element, for targets whose p is near 1 (n = 48, V = 12,001,
 // hidden h), from a forward_backward over grad_weight on make(options).

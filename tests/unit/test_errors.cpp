@@ -129,6 +129,14 @@ TEST_CASE_TEMPLATE("errors: bad input raises lce::error and writes nothing", T, 
     f.opt.softcap = std::numeric_limits<float>::denorm_min();
     f.expect_error(all, {{"softcap"}, {"normal float"}, {"1.4013e-45"}});
   }
+  SUBCASE("max_logits_share outside [0, 1]") {
+    f.opt.max_logits_share = 1.5f;
+    f.expect_error(all, {{"max_logits_share"}, {"1.5"}});
+  }
+  SUBCASE("max_logits_share NaN") {
+    f.opt.max_logits_share = std::numeric_limits<float>::quiet_NaN();
+    f.expect_error(all, {{"max_logits_share"}, {"nan"}});
+  }
   SUBCASE("negative chunk_tokens") {
     f.opt.chunk_tokens = -3;
     f.expect_error(all, {{"chunk_tokens"}, {"-3"}});

@@ -19,6 +19,12 @@ struct options {
   // false: grad_weight and grad_bias accumulate (+=); true: a call overwrites them with its own
   // gradients, neither reading nor keeping what they held (no zeroing beforehand)
   bool overwrite_weight_gradients = false;
+  // The most a forward_backward may hold to compute each logit once (three GEMMs, not up to
+  // four), as a share of its [N, V_local] logits in the compute type, within
+  // workspace_limit_bytes: on one rank with overwrite_weight_gradients and a 2-byte
+  // grad_weight, the token order's fp32 dW sum (half of it in grad_weight's storage) and its
+  // chunks. In [0, 1]; 0: never more than the budget's chunks (see API.md)
+  float max_logits_share = 0.1f;
 };
 
 LCE_END_NAMESPACE

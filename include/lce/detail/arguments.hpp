@@ -29,6 +29,8 @@ inline void check_options(const options& opt) {
   expects(opt.chunk_tokens >= 0, "chunk_tokens must be >= 0 (0 lets the chunk policy decide), got ",
           opt.chunk_tokens);
   expects(opt.vocab_start >= 0, "vocab_start must be >= 0, got ", opt.vocab_start);
+  expects(opt.max_logits_share >= 0.0f && opt.max_logits_share <= 1.0f,
+          "max_logits_share must be between 0 and 1 (a share of the call's logits), got ", opt.max_logits_share);
 }
 
 // `extent_limit`: the largest rows, cols and ld the backend's GEMMs take

@@ -1504,12 +1504,17 @@ class engine {
   // kept in grad_weight, for the tiles it could not keep): four GEMMs where the token order
   // runs three, for less memory: the token order's cost is that dW sum. A call in the
   // vocabulary order takes the token order with the sum so held where the rest
-  // and its chunks hold at most a materialised_share-th of the call's logits in the compute
-  // type, and the budget: past some N the sum costs less than the vocabulary order's
+  // and its chunks hold at most options.max_logits_share of the call's logits in the compute
+  // type (a tenth by default), and the budget: past some N the sum costs less than the vocabulary order's
   // GEMM (bf16 through lce_torch, H 1,024, V 32,000, N 8,192, 2 threads, Zen 5: chunks of
   // 256 in 0.78x the vocabulary order's time). Chunks under the backend's
   // min_efficient_chunk_rows are not worth it.
-  static constexpr std::int64_t materialised_share = 10;
+  std::size_t logits_share_limit(const checked_size& logits) const {
+    const double share = static_cast<double>(logits.value) * static_cast<double>(options_.max_logits_share);
+    if (logits.overflow || share >= static_cast<double>(options_.workspace_limit_bytes))
+      return options_.workspace_limit_bytes;
+    return static_cast<std::size_t>(share);
+  }
 
   template <class G>
   gradient_plan accumulator_in_grad_weight_or(const gradient_plan& base, std::int64_t n_tokens, std::int64_t hidden,
@@ -1557,8 +1562,7 @@ class engine {
         return std::nullopt;
       const checked_size logits = checked_size::of(n_tokens) * checked_size::of(vocab_local) * sizeof(Compute);
       if (logits.overflow) return std::nullopt;
-      const std::size_t limit =
-          std::min(options_.workspace_limit_bytes, logits.value / static_cast<std::size_t>(materialised_share));
+      const std::size_t limit = logits_share_limit(logits);
       gradient_plan split;
       split.accumulator_in_grad_weight = true;
       split.plan = workspace_plan<Compute>::make(shape_of(hidden, vocab_local), ceil_div(n_tokens, n_tokens / least));
@@ -1624,8 +1628,7 @@ class engine {
     const checked_size rest = weight_gradient_scratch_bytes<G>(split, hidden, vocab_local, 1);
     const checked_size logits = checked_size::of(n_tokens) * checked_size::of(vocab_local) * sizeof(Compute);
     if (rest.overflow || logits.overflow) return std::nullopt;
-    const std::size_t limit =
-        std::min(options_.workspace_limit_bytes, logits.value / static_cast<std::size_t>(materialised_share));
+    const std::size_t limit = logits_share_limit(logits);
     if (rest.value >= limit) return std::nullopt;
     split.plan = plan_for(n_tokens, hidden, vocab_local, 0, set_size, limit - rest.value);
     const std::int64_t least = std::min(n_tokens, min_efficient_chunk_rows<Backend>());

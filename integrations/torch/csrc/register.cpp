@@ -20,7 +20,7 @@
 //
 // Every op takes the same keyword options: vocab_start, ignore_index,
 // temperature, softcap, sequence_parallel, chunk_tokens, workspace_limit_bytes,
-// group_name (a torch.distributed group's name; None: one rank) and
+// max_logits_share, group_name (a torch.distributed group's name; None: one rank) and
 // caller_settings (text the ranks of a group must share beyond lce's own call,
 // compared in the exchange of verdicts: what the caller makes of the results,
 // e.g. linear_cross_entropy's reduction; ignored without a group).
@@ -56,12 +56,14 @@ namespace {
 
 #define LCE_TORCH_OPTIONS                                                                                        \
   "int vocab_start=0, int ignore_index=-100, float temperature=1.0, float softcap=0.0, "                        \
-  "bool sequence_parallel=False, int chunk_tokens=0, int workspace_limit_bytes=268435456, str? group_name=None, " \
+  "bool sequence_parallel=False, int chunk_tokens=0, int workspace_limit_bytes=268435456, "                     \
+  "float max_logits_share=0.1, str? group_name=None, " \
   "str caller_settings=''"
 
 config make_config(std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap,
                    bool sequence_parallel, std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes,
-                   const std::optional<std::string>& group_name, std::string caller_settings) {
+                   double max_logits_share, const std::optional<std::string>& group_name,
+                   std::string caller_settings) {
   config c;
   c.vocab_start = vocab_start;
   c.ignore_index = ignore_index;
@@ -70,6 +72,7 @@ config make_config(std::int64_t vocab_start, std::int64_t ignore_index, double t
   c.sequence_parallel = sequence_parallel;
   c.chunk_tokens = chunk_tokens;
   c.workspace_limit_bytes = workspace_limit_bytes;
+  c.max_logits_share = max_logits_share;
   c.group_name = group_name;
   c.caller_settings = std::move(caller_settings);
   return c;
@@ -186,10 +189,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprobs_on(
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
     const std::optional<at::Tensor>& bias, bool with_entropy,
     bool with_mean_logit, std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel,
-    std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name,
+    std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, double max_logits_share,
+    std::optional<std::string> group_name,
     std::string caller_settings) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
-                               workspace_limit_bytes, group_name, std::move(caller_settings));
+                               workspace_limit_bytes, max_logits_share, group_name,
+                               std::move(caller_settings));
   return agreed(exchange_kind::logprobs, c, hidden, [&] {
     check_inputs<Device>(hidden, weight, targets, c);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
@@ -204,10 +209,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logprobs_backward_on(
     const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& lse,
     const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit,
     const std::optional<at::Tensor>& bias, std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel,
-    std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name,
+    std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, double max_logits_share,
+    std::optional<std::string> group_name,
     std::string caller_settings) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
-                               workspace_limit_bytes, group_name, std::move(caller_settings));
+                               workspace_limit_bytes, max_logits_share, group_name,
+                               std::move(caller_settings));
   return agreed(exchange_kind::logprobs_backward, c, hidden, [&] {
     check_inputs<Device>(hidden, weight, targets, c);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
@@ -222,10 +229,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& grad_logprobs,
     const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit,
     const std::optional<at::Tensor>& bias, bool with_mean_logit, std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel,
-    std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name,
+    std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, double max_logits_share,
+    std::optional<std::string> group_name,
     std::string caller_settings) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
-                               workspace_limit_bytes, group_name, std::move(caller_settings));
+                               workspace_limit_bytes, max_logits_share, group_name,
+                               std::move(caller_settings));
   return agreed(exchange_kind::logprobs_forward_backward, c, hidden, [&] {
     check_inputs<Device>(hidden, weight, targets, c);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
@@ -240,10 +249,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> target_set_logprobs_o
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& ids, const std::optional<at::Tensor>& bias,
     bool with_entropy,
     bool with_mean_logit, std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap,
-    bool sequence_parallel, std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes,
+    bool sequence_parallel, std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, double max_logits_share,
     std::optional<std::string> group_name, std::string caller_settings) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
-                               workspace_limit_bytes, group_name, std::move(caller_settings));
+                               workspace_limit_bytes, max_logits_share, group_name,
+                               std::move(caller_settings));
   return agreed(exchange_kind::target_set_logprobs, c, hidden, [&] {
     check_inputs<Device>(hidden, weight, ids, c, targets_kind::sets_of_k);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
@@ -258,10 +268,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> target_set_logprobs_backward_on(
     const at::Tensor& weight, const at::Tensor& ids, const at::Tensor& lse,
     const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit,
     const std::optional<at::Tensor>& bias, std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel,
-    std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, std::optional<std::string> group_name,
+    std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, double max_logits_share,
+    std::optional<std::string> group_name,
     std::string caller_settings) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
-                               workspace_limit_bytes, group_name, std::move(caller_settings));
+                               workspace_limit_bytes, max_logits_share, group_name,
+                               std::move(caller_settings));
   return agreed(exchange_kind::target_set_logprobs_backward, c, hidden, [&] {
     check_inputs<Device>(hidden, weight, ids, c, targets_kind::sets_of_k);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {

@@ -32,6 +32,7 @@ struct config {
   bool sequence_parallel = false;
   std::int64_t chunk_tokens = 0;
   std::int64_t workspace_limit_bytes = std::int64_t{256} << 20;
+  double max_logits_share = 0.1;
   std::optional<std::string> group_name;
   std::string caller_settings;  // compared across the group's ranks (register.cpp's agreed)
 
@@ -46,6 +47,7 @@ struct config {
     o.sequence_parallel = sequence_parallel;
     o.chunk_tokens = chunk_tokens;
     o.workspace_limit_bytes = static_cast<std::size_t>(workspace_limit_bytes);
+    o.max_logits_share = static_cast<float>(max_logits_share);  // lce checks it: in [0, 1]
     // Every gradient op returns fresh grad_weight / grad_bias tensors: lce writes them
     // whole, so they are never zeroed first (a [V, H] pass, and a read of it, saved).
     o.overwrite_weight_gradients = true;
@@ -69,7 +71,8 @@ struct config {
 inline bool same_options(const lce::options& a, const lce::options& b) {
   return a.vocab_start == b.vocab_start && a.ignore_index == b.ignore_index && a.temperature == b.temperature &&
          a.softcap == b.softcap && a.sequence_parallel == b.sequence_parallel && a.chunk_tokens == b.chunk_tokens &&
-         a.workspace_limit_bytes == b.workspace_limit_bytes && a.overwrite_weight_gradients == b.overwrite_weight_gradients;
+         a.workspace_limit_bytes == b.workspace_limit_bytes && a.max_logits_share == b.max_logits_share &&
+         a.overwrite_weight_gradients == b.overwrite_weight_gradients;
 }
 
 // This thread's operators of one type, by options and a device's key (a

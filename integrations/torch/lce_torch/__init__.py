@@ -69,10 +69,11 @@ __all__ = [
 ]
 
 _DEFAULT_WORKSPACE = 256 << 20
+_DEFAULT_LOGITS_SHARE = 0.1  # lce::options::max_logits_share
 
 
 def _options(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
-             workspace_limit_bytes, group):
+             workspace_limit_bytes, group, max_logits_share=_DEFAULT_LOGITS_SHARE):
     return dict(
         vocab_start=int(vocab_start),
         ignore_index=int(ignore_index),
@@ -81,6 +82,7 @@ def _options(vocab_start, ignore_index, temperature, softcap, sequence_parallel,
         sequence_parallel=bool(sequence_parallel),
         chunk_tokens=int(chunk_tokens),
         workspace_limit_bytes=int(workspace_limit_bytes),
+        max_logits_share=float(max_logits_share),
         group_name=group_name_of(group),
     )
 
@@ -302,7 +304,8 @@ class _FusedCrossEntropy(torch.autograd.Function):
 def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weight=None, reduction="mean",
                          ignore_index=-100, label_smoothing=0.0, temperature=1.0, softcap=0.0, group=None,
                          vocab_start=0, sequence_parallel=False, chunk_tokens=0,
-                         workspace_limit_bytes=_DEFAULT_WORKSPACE, fused=True):
+                         workspace_limit_bytes=_DEFAULT_WORKSPACE, max_logits_share=_DEFAULT_LOGITS_SHARE,
+                         fused=True):
     """``F.cross_entropy(F.linear(input, linear_weight), target, ...)`` without the logits.
 
     The arguments follow ``torch.nn.functional.linear_cross_entropy``: ``weight`` is the
@@ -321,6 +324,11 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
     (``fused=True``): the gradients are computed in the forward and scaled in the
     backward. Otherwise the forward alone runs, and the backward (if any) is a second
     sweep. ``group`` / ``vocab_start``: tensor parallel, as in ``linear_logprobs``.
+    ``max_logits_share`` (0 to 1, default 0.1): the most memory the one-sweep path may hold
+    to compute each logit once (three GEMMs) where its budget alone would compute most of
+    them twice, as a share of the call's fp32 [N, V] logits (within
+    ``workspace_limit_bytes``; one process, bf16 or fp16: lce's dW sum in fp32). A larger
+    share trades memory for speed: e.g. 0.35 at H 1,024, V 32,000, N 3,072–4,096.
     """
     if ignore_index is None:
         ignore_index = -100
@@ -330,7 +338,7 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
         require_tensors("linear_cross_entropy", input=input, linear_weight=linear_weight, target=target,
                         linear_bias=linear_bias, weight=weight)
         opts = _options(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
-                        workspace_limit_bytes, group)
+                        workspace_limit_bytes, group, max_logits_share)
         smoothing = float(label_smoothing)
         if not 0.0 <= smoothing <= 1.0:
             raise ValueError(f"lce_torch.linear_cross_entropy: label_smoothing must be between 0.0 and 1.0, got "

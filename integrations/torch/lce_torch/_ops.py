@@ -28,6 +28,7 @@ OPTION_NAMES = (
     "sequence_parallel",
     "chunk_tokens",
     "workspace_limit_bytes",
+    "max_logits_share",
     "group_name",
     "caller_settings",
 )

@@ -143,3 +143,14 @@ def test_unknown_group_name():
 
 def test_blas_info():
     assert lce_torch.blas_info().startswith("BLAS: ")
+
+
+def test_max_logits_share_outside_zero_to_one_raises():
+    h, w, y = make(6, 8, 50, torch.float32)
+    h.requires_grad_(True)
+    before = snapshot(h, w, y)
+    for share in (1.5, -0.1, float("nan")):
+        with pytest.raises(RuntimeError, match=r"lce: max_logits_share must be between 0 and 1 .*got"):
+            lce_torch.linear_cross_entropy(h, w, y, max_logits_share=share)
+    assert unchanged(before, h, w, y)
+    assert h.grad is None

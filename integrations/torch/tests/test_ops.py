@@ -75,3 +75,23 @@ def test_gradient_ops_refuse_double_backward():
     _, dx, dw, _, _, _ = torch.ops.lce.logprobs_forward_backward(h, w, y, g)
     with pytest.raises(NotImplementedError, match="no double backward"):
         (dx.sum() + dw.sum()).backward()
+
+
+@pytest.mark.parametrize("share", [0.0, 0.1, 1.0])
+def test_max_logits_share_keeps_the_values(share):
+    # At this shape (bf16, N 1,024, H 16, V 8,000) a share of 1 takes the token order with
+    # the whole dW sum, 0.1 and 0 the vocabulary order (the C++ suite counts their logits):
+    # the loss and both gradients stay F.cross_entropy's in float64.
+    import lce_torch
+
+    h, w, y = make(1024, 16, 8000, torch.bfloat16, seed=3, scale=2.0)
+    h.requires_grad_(True)
+    w.requires_grad_(True)
+    loss = lce_torch.linear_cross_entropy(h, w, y, max_logits_share=share)
+    loss.backward()
+    hd, wd = h.detach().double().requires_grad_(), w.detach().double().requires_grad_()
+    want = torch.nn.functional.cross_entropy(hd @ wd.T, y)
+    want.backward()
+    torch.testing.assert_close(loss.double(), want.detach(), atol=0, rtol=1e-2)
+    for got, ref in ((h.grad, hd.grad), (w.grad, wd.grad)):
+        assert (got.double() - ref).abs().max() <= 2e-2 * ref.abs().max()
