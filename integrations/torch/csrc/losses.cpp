@@ -133,11 +133,12 @@ lce::loss_reduction parse_reduction(const std::string& r) {
 
 // A loss's exchange of verdicts over a group (verdicts.hpp), which a rank whose Python
 // wrapper rejected its arguments meets through lce_torch.agree_on_group. Every rank sends
-// {ok, its call's kind, a fingerprint of its settings, its count of loss units}. A rank that failed returns (and raises its own error); every other rank
-// raises "rank r rejected its arguments", or, where two ranks' calls or settings differ,
-// names them. So bad input or disagreeing options on one rank raise on every rank, never
-// leaving the others waiting in a later collective or computing with settings of their
-// own. Returns the units summed over the group.
+// {ok, its call's kind, a fingerprint of its settings, its count of loss units}. A rank
+// that failed returns (and raises its own error); every other rank raises "rank r
+// rejected its arguments", or, where two ranks' calls or settings differ, names them. So
+// bad input or disagreeing options on one rank raise on every rank, never leaving the
+// others waiting in a later collective or computing with settings of their own. Returns
+// the units summed over the group.
 std::int64_t agree_verdicts(const process_group& comm, exchange_kind kind, bool ok, const std::string& settings,
                             std::int64_t units) {
   const auto all = exchange_verdicts(comm, ok, kind, settings, units, 0);

@@ -57,8 +57,7 @@ namespace {
 #define LCE_TORCH_OPTIONS                                                                                        \
   "int vocab_start=0, int ignore_index=-100, float temperature=1.0, float softcap=0.0, "                        \
   "bool sequence_parallel=False, int chunk_tokens=0, int workspace_limit_bytes=268435456, "                     \
-  "float max_logits_share=0.1, str? group_name=None, " \
-  "str caller_settings=''"
+  "float max_logits_share=0.1, str? group_name=None, str caller_settings=''"
 
 config make_config(std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap,
                    bool sequence_parallel, std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes,
@@ -190,11 +189,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprobs_on(
     const std::optional<at::Tensor>& bias, bool with_entropy,
     bool with_mean_logit, std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel,
     std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, double max_logits_share,
-    std::optional<std::string> group_name,
-    std::string caller_settings) {
+    std::optional<std::string> group_name, std::string caller_settings) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
-                               workspace_limit_bytes, max_logits_share, group_name,
-                               std::move(caller_settings));
+                               workspace_limit_bytes, max_logits_share, group_name, std::move(caller_settings));
   return agreed(exchange_kind::logprobs, c, hidden, [&] {
     check_inputs<Device>(hidden, weight, targets, c);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
@@ -210,11 +207,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logprobs_backward_on(
     const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit,
     const std::optional<at::Tensor>& bias, std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel,
     std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, double max_logits_share,
-    std::optional<std::string> group_name,
-    std::string caller_settings) {
+    std::optional<std::string> group_name, std::string caller_settings) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
-                               workspace_limit_bytes, max_logits_share, group_name,
-                               std::move(caller_settings));
+                               workspace_limit_bytes, max_logits_share, group_name, std::move(caller_settings));
   return agreed(exchange_kind::logprobs_backward, c, hidden, [&] {
     check_inputs<Device>(hidden, weight, targets, c);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
@@ -230,11 +225,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit,
     const std::optional<at::Tensor>& bias, bool with_mean_logit, std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel,
     std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, double max_logits_share,
-    std::optional<std::string> group_name,
-    std::string caller_settings) {
+    std::optional<std::string> group_name, std::string caller_settings) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
-                               workspace_limit_bytes, max_logits_share, group_name,
-                               std::move(caller_settings));
+                               workspace_limit_bytes, max_logits_share, group_name, std::move(caller_settings));
   return agreed(exchange_kind::logprobs_forward_backward, c, hidden, [&] {
     check_inputs<Device>(hidden, weight, targets, c);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
@@ -252,8 +245,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> target_set_logprobs_o
     bool sequence_parallel, std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, double max_logits_share,
     std::optional<std::string> group_name, std::string caller_settings) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
-                               workspace_limit_bytes, max_logits_share, group_name,
-                               std::move(caller_settings));
+                               workspace_limit_bytes, max_logits_share, group_name, std::move(caller_settings));
   return agreed(exchange_kind::target_set_logprobs, c, hidden, [&] {
     check_inputs<Device>(hidden, weight, ids, c, targets_kind::sets_of_k);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
@@ -269,11 +261,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> target_set_logprobs_backward_on(
     const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit,
     const std::optional<at::Tensor>& bias, std::int64_t vocab_start, std::int64_t ignore_index, double temperature, double softcap, bool sequence_parallel,
     std::int64_t chunk_tokens, std::int64_t workspace_limit_bytes, double max_logits_share,
-    std::optional<std::string> group_name,
-    std::string caller_settings) {
+    std::optional<std::string> group_name, std::string caller_settings) {
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
-                               workspace_limit_bytes, max_logits_share, group_name,
-                               std::move(caller_settings));
+                               workspace_limit_bytes, max_logits_share, group_name, std::move(caller_settings));
   return agreed(exchange_kind::target_set_logprobs_backward, c, hidden, [&] {
     check_inputs<Device>(hidden, weight, ids, c, targets_kind::sets_of_k);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
