@@ -4,6 +4,7 @@
 #include "cases/error_cases.hpp"
 
 #include <cctype>
+#include <cmath>
 #include <functional>
 #include <initializer_list>
 #include <optional>
@@ -132,6 +133,10 @@ TEST_CASE_TEMPLATE("errors: bad input raises lce::error and writes nothing", T, 
   SUBCASE("max_logits_share outside [0, 1]") {
     f.opt.max_logits_share = 1.5f;
     f.expect_error(all, {{"max_logits_share"}, {"1.5"}});
+  }
+  SUBCASE("max_logits_share just over 1, named as passed") {
+    f.opt.max_logits_share = std::nextafter(1.0f, 2.0f);
+    f.expect_error(all, {{"max_logits_share"}, {"1.00000012"}});
   }
   SUBCASE("max_logits_share NaN") {
     f.opt.max_logits_share = std::numeric_limits<float>::quiet_NaN();
