@@ -23,7 +23,7 @@ struct options {
   // four), as a share of its [N, V_local] logits in the compute type, within
   // workspace_limit_bytes: on one rank with overwrite_weight_gradients and a 2-byte
   // grad_weight, the token order's fp32 dW sum (half of it in grad_weight's storage) and its
-  // chunks. In [0, 1]; 0: never more than the budget's chunks (see API.md)
+  // chunks. In [0, 1]; 0: the budget's plan as it is (see API.md)
   float max_logits_share = 0.1f;
 };
 
