@@ -18,6 +18,7 @@
 #include "support/harness.hpp"
 
 #include <climits>
+#include <cmath>
 #include <memory>
 #include <new>
 #include <utility>
@@ -187,6 +188,13 @@ void check_options_disagree(const Comm& comm) {
     if (rank == odd) o.temperature = 0.7f;
     expect_everywhere("temperature", o, p.y, "options.temperature differs across ranks: rank 0 has 0.9, rank " +
                                                  std::to_string(odd) + " has 0.7");
+  }
+  {
+    // One ulp apart: the message must still tell the two values apart.
+    lce::options o = base;
+    if (rank == odd) o.temperature = std::nextafter(0.9f, 1.0f);
+    expect_everywhere("temperature one ulp apart", o, p.y, "options.temperature differs across ranks: rank 0 has 0.9, rank " +
+                                                               std::to_string(odd) + " has 0.90000004");
   }
   {
     lce::options o = base;

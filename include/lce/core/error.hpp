@@ -22,10 +22,12 @@
 
 #include <lce/core/config.hpp>
 
+#include <charconv>
 #include <cstddef>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 LCE_BEGIN_NAMESPACE
@@ -46,11 +48,25 @@ inline const char* message_body(const error& e) {
   return text + sizeof(prefix) - 1;
 }
 
+// A float or double is written as the shortest text that reads back as itself: a stream's
+// default 6 digits would show a rejected 1.00000012 as the valid 1, and the largest
+// subnormal (refused) as FLT_MIN (accepted).
+template <class Part>
+void write_part(std::ostringstream& message, const Part& part) {
+  if constexpr (std::is_same_v<Part, float> || std::is_same_v<Part, double>) {
+    char text[40];
+    const auto written = std::to_chars(text, text + sizeof(text), part);
+    message.write(text, written.ptr - text);
+  } else {
+    message << part;
+  }
+}
+
 template <class... Parts>
 [[noreturn]] void fail(const Parts&... parts) {
   std::ostringstream message;
   message << "lce: ";
-  (message << ... << parts);
+  (write_part(message, parts), ...);
   throw error(message.str());
 }
 

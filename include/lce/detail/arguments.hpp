@@ -13,22 +13,10 @@
 #include <cmath>
 #include <cstdint>
 #include <initializer_list>
-#include <limits>
-#include <sstream>
-#include <string>
 #include <vector>
 
 LCE_BEGIN_NAMESPACE
 namespace detail {
-
-// A float written so that it reads back as itself: the stream's default 6 digits would show
-// a rejected 1.00000012 as the valid 1.
-inline std::string exact_float(float v) {
-  std::ostringstream text;
-  text.precision(std::numeric_limits<float>::max_digits10);
-  text << v;
-  return text.str();
-}
 
 inline void check_options(const options& opt) {
   // A subnormal temperature or soft-cap passes "> 0" but its reciprocal, which scales the
@@ -43,7 +31,7 @@ inline void check_options(const options& opt) {
   expects(opt.vocab_start >= 0, "vocab_start must be >= 0, got ", opt.vocab_start);
   expects(opt.max_logits_share >= 0.0f && opt.max_logits_share <= 1.0f,
           "max_logits_share must be between 0 and 1 (a share of the call's logits), got ",
-          exact_float(opt.max_logits_share));
+          opt.max_logits_share);
 }
 
 // `extent_limit`: the largest rows, cols and ld the backend's GEMMs take
