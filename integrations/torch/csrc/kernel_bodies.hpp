@@ -89,7 +89,7 @@ template <class TorchT, class Device>
 std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>()> kernels<TorchT, Device>::forward(
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
     const std::optional<at::Tensor>& bias, bool with_entropy, bool with_mean_logit, const config& c) {
-  const auto on_device = Device::guard(hidden);
+  [[maybe_unused]] const auto on_device = Device::guard(hidden);
   const auto op = hold(Device::template op<T>(c));
   const rows_view x = as_rows(hidden, "hidden"), w = as_rows(weight, "weight");
   const at::Tensor b = bias_vector(bias, weight);
@@ -99,7 +99,7 @@ std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>()> kern
   at::Tensor ent = with_entropy ? at::empty(targets.sizes(), out) : at::empty({0}, out);
   at::Tensor mean = with_mean_logit ? at::empty(targets.sizes(), out) : at::empty({0}, out);
   return [=]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> {
-    const auto on_device = Device::guard(x.tensor);
+    [[maybe_unused]] const auto on_device = Device::guard(x.tensor);
     with_op(op, [&](auto& o) {
       workspace_release<std::remove_reference_t<decltype(o)>> release{o};
       with_targets(y, [&](auto ids) {
@@ -119,7 +119,7 @@ std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor>()> kernels<TorchT, 
     const at::Tensor& weight, const at::Tensor& targets, const at::Tensor& lse,
     const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit,
     const std::optional<at::Tensor>& bias, const config& c) {
-  const auto on_device = Device::guard(hidden);
+  [[maybe_unused]] const auto on_device = Device::guard(hidden);
   const auto op = hold(Device::template op<T>(c));
   const at::Device device = hidden.device();
   const rows_view x = as_rows(hidden, "hidden"), w = as_rows(weight, "weight");
@@ -143,7 +143,7 @@ std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor>()> kernels<TorchT, 
   const at::Tensor db = bias_gradient<R>(b);
   const rows_view gx = as_rows(dx, "grad_hidden"), gw = as_rows(dw, "grad_weight");
   return [=]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor> {
-    const auto on_device = Device::guard(x.tensor);
+    [[maybe_unused]] const auto on_device = Device::guard(x.tensor);
     with_op(op, [&](auto& o) {
       workspace_release<std::remove_reference_t<decltype(o)>> release{o};
       with_targets(y, [&](auto ids) {
@@ -165,7 +165,7 @@ kernels<TorchT, Device>::forward_backward(const at::Tensor& hidden, const at::Te
                                           const std::optional<at::Tensor>& grad_mean_logit,
                                           const std::optional<at::Tensor>& bias, bool with_mean_logit,
                                           const config& c) {
-  const auto on_device = Device::guard(hidden);
+  [[maybe_unused]] const auto on_device = Device::guard(hidden);
   const auto op = hold(Device::template op<T>(c));
   const at::Device device = hidden.device();
   const rows_view x = as_rows(hidden, "hidden"), w = as_rows(weight, "weight");
@@ -183,7 +183,7 @@ kernels<TorchT, Device>::forward_backward(const at::Tensor& hidden, const at::Te
   const at::Tensor db = bias_gradient<R>(b);
   const rows_view gx = as_rows(dx, "grad_hidden"), gw = as_rows(dw, "grad_weight");
   return [=]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> {
-    const auto on_device = Device::guard(x.tensor);
+    [[maybe_unused]] const auto on_device = Device::guard(x.tensor);
     with_op(op, [&](auto& o) {
       workspace_release<std::remove_reference_t<decltype(o)>> release{o};
       with_targets(y, [&](auto ids) {
@@ -205,7 +205,7 @@ template <class TorchT, class Device>
 std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>()> kernels<TorchT, Device>::set_forward(
     const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& ids, const std::optional<at::Tensor>& bias,
     bool with_entropy, bool with_mean_logit, const config& c) {
-  const auto on_device = Device::guard(hidden);
+  [[maybe_unused]] const auto on_device = Device::guard(hidden);
   const auto op = hold(Device::template op<T>(c));
   const rows_view x = as_rows(hidden, "hidden"), w = as_rows(weight, "weight");
   const at::Tensor b = bias_vector(bias, weight);
@@ -216,7 +216,7 @@ std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>()> kern
   at::Tensor ent = with_entropy ? at::empty(rows_shape, out) : at::empty({0}, out);
   at::Tensor mean = with_mean_logit ? at::empty(rows_shape, out) : at::empty({0}, out);
   return [=]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> {
-    const auto on_device = Device::guard(x.tensor);
+    [[maybe_unused]] const auto on_device = Device::guard(x.tensor);
     with_op(op, [&](auto& o) {
       workspace_release<std::remove_reference_t<decltype(o)>> release{o};
       with_sets(y.tensor, [&](auto sets) {
@@ -236,7 +236,7 @@ std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor>()> kernels<TorchT, 
     const at::Tensor& weight, const at::Tensor& ids, const at::Tensor& lse,
     const std::optional<at::Tensor>& grad_lse, const std::optional<at::Tensor>& grad_mean_logit,
     const std::optional<at::Tensor>& bias, const config& c) {
-  const auto on_device = Device::guard(hidden);
+  [[maybe_unused]] const auto on_device = Device::guard(hidden);
   const auto op = hold(Device::template op<T>(c));
   const at::Device device = hidden.device();
   const rows_view x = as_rows(hidden, "hidden"), w = as_rows(weight, "weight");
@@ -263,7 +263,7 @@ std::function<std::tuple<at::Tensor, at::Tensor, at::Tensor>()> kernels<TorchT, 
   const at::Tensor db = bias_gradient<R>(b);
   const rows_view gx = as_rows(dx, "grad_hidden"), gw = as_rows(dw, "grad_weight");
   return [=]() -> std::tuple<at::Tensor, at::Tensor, at::Tensor> {
-    const auto on_device = Device::guard(x.tensor);
+    [[maybe_unused]] const auto on_device = Device::guard(x.tensor);
     with_op(op, [&](auto& o) {
       workspace_release<std::remove_reference_t<decltype(o)>> release{o};
       with_sets(y.tensor, [&](auto sets) {
