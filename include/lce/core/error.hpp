@@ -48,12 +48,13 @@ inline const char* message_body(const error& e) {
   return text + sizeof(prefix) - 1;
 }
 
-// A float or double is written as the shortest text that reads back as itself: a stream's
-// default 6 digits would show a rejected 1.00000012 as the valid 1, and the largest
-// subnormal (refused) as FLT_MIN (accepted).
+// A float (an option as the caller set it) is written as the shortest text that reads back
+// as itself: a stream's default 6 digits would show a rejected 1.00000012 as the valid 1, and
+// the largest subnormal (refused) as FLT_MIN (accepted). Doubles keep 6 digits: they are sums
+// and widened values, whose every digit would only be noise.
 template <class Part>
 void write_part(std::ostringstream& message, const Part& part) {
-  if constexpr (std::is_same_v<Part, float> || std::is_same_v<Part, double>) {
+  if constexpr (std::is_same_v<Part, float>) {
     char text[40];
     const auto written = std::to_chars(text, text + sizeof(text), part);
     message.write(text, written.ptr - text);

@@ -1509,10 +1509,9 @@ class engine {
   // GEMM (bf16 through lce_torch, H 1,024, V 32,000, N 8,192, 2 threads, Zen 5: chunks of
   // 256 in 0.78x the vocabulary order's time). Chunks under the backend's
   // min_efficient_chunk_rows are not worth it.
-  std::size_t logits_share_limit(const checked_size& logits) const {
-    const double share = static_cast<double>(logits.value) * static_cast<double>(options_.max_logits_share);
-    if (logits.overflow || share >= static_cast<double>(options_.workspace_limit_bytes))
-      return options_.workspace_limit_bytes;
+  std::size_t logits_share_limit(std::size_t logits_bytes) const {
+    const double share = static_cast<double>(logits_bytes) * static_cast<double>(options_.max_logits_share);
+    if (share >= static_cast<double>(options_.workspace_limit_bytes)) return options_.workspace_limit_bytes;
     return static_cast<std::size_t>(share);
   }
 
@@ -1562,7 +1561,7 @@ class engine {
         return std::nullopt;
       const checked_size logits = checked_size::of(n_tokens) * checked_size::of(vocab_local) * sizeof(Compute);
       if (logits.overflow) return std::nullopt;
-      const std::size_t limit = logits_share_limit(logits);
+      const std::size_t limit = logits_share_limit(logits.value);
       gradient_plan split;
       split.accumulator_in_grad_weight = true;
       split.plan = workspace_plan<Compute>::make(shape_of(hidden, vocab_local), ceil_div(n_tokens, n_tokens / least));
@@ -1628,7 +1627,7 @@ class engine {
     const checked_size rest = weight_gradient_scratch_bytes<G>(split, hidden, vocab_local, 1);
     const checked_size logits = checked_size::of(n_tokens) * checked_size::of(vocab_local) * sizeof(Compute);
     if (rest.overflow || logits.overflow) return std::nullopt;
-    const std::size_t limit = logits_share_limit(logits);
+    const std::size_t limit = logits_share_limit(logits.value);
     if (rest.value >= limit) return std::nullopt;
     split.plan = plan_for(n_tokens, hidden, vocab_local, 0, set_size, limit - rest.value);
     const std::int64_t least = std::min(n_tokens, min_efficient_chunk_rows<Backend>());
