@@ -17,7 +17,7 @@
 // took 0.99-1.23x plain PyTorch's time with it against 1.18-1.37x with MKL's
 // (README, PyTorch); on a 2-core Zen 5, where MKL's bf16 GEMM runs a quarter
 // of the CPU's bf16 rate, lce's kernel on AVX512-BF16 took it from 3.0-4.5x
-// plain's time to 0.79-0.94x at N <= 512 (README, "On an AMD EPYC (Zen 5)").
+// plain's time to 0.79-0.94x at N <= 512 (docs/measurements.md, "On an AMD EPYC (Zen 5 ...)").
 // Elsewhere with bf16 instructions, the bf16 x bf16 ->
 // fp32 GEMM of the MKL that PyTorch's x86 wheels carry inside libtorch_cpu
 // (cblas_gemm_bf16bf16f32, fp32 accumulation), looked up at run time in the
@@ -143,7 +143,7 @@ void column_major_gemm(mkl_fortran_gemm_fn<A> fn, mkl_set_threads_local_fn set_t
 // this torch has it (and the CPU has bf16 instructions, which it then lacks), else widening. Without bf16 instructions
 // MKL's bf16 GEMM emulates them and is the slower: on a 2-core AMD EPYC (Zen 3, AVX2) a bf16
 // step at N = 1,024 took 1.05-1.27x the time of the widened path (torch_widening_gemm) with it
-// (README, "On an AMD EPYC").
+// (docs/measurements.md, "On an AMD EPYC").
 // LCE_TORCH_BF16_GEMM=amx|avx512bf16|mkl|widen at the first use, or lce_torch.set_bf16_gemm()
 // at any time between calls, asks for one; an unavailable choice falls to the default.
 enum class bf16_kernel { amx, avx512bf16, mkl, widen };
