@@ -194,6 +194,24 @@ void agree_on_group(const std::string& group_name, c10::Device device, bool ok) 
   if (comm.size() > 1) exchange_verdicts(comm, ok, exchange_kind::python_checks, "", 0, 0);
 }
 
+// lce.refuse_on_group: agree_on_group for a wrapper traced by torch.compile whose checks
+// rejected this rank's arguments while it traced. Python cannot exchange anything at trace
+// time, and a rank that raised there would leave the others waiting in their operators'
+// exchange; so the compiled graph runs this op in the wrapper's operator's place: the rank
+// meets the others' exchange (they raise "rank r rejected its arguments") and then raises
+// its own error, as the Python type the check raised. Never returns.
+at::Tensor refuse_on_group(const at::Tensor& anchor, const std::string& group_name, const std::string& message,
+                           const std::string& error_type) {
+  try {
+    agree_on_group(group_name, anchor.device(), false);
+  } catch (...) {  // the group itself failing: this rank's own error says more
+  }
+  TORCH_CHECK_TYPE(error_type != "TypeError", message);
+  TORCH_CHECK_VALUE(error_type != "ValueError", message);
+  TORCH_CHECK_NOT_IMPLEMENTED(error_type != "NotImplementedError", message);
+  C10_THROW_ERROR(Error, message);
+}
+
 // A call's settings as text, for agree_verdicts (doubles to 17 digits: equal text, equal values).
 template <class... Parts>
 std::string settings_of(const Parts&... parts) {
@@ -548,6 +566,7 @@ void losses_via_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 // appear once per namespace).
 TORCH_LIBRARY_FRAGMENT(lce, m) {
   m.def("agree_on_group(str group_name, Device device, bool ok) -> ()", &lce_torch::agree_on_group);
+  m.def("refuse_on_group(Tensor anchor, str group_name, str message, str error_type) -> Tensor", lce_torch::op_tags());
   m.def("next_token_targets(Tensor token_ids, Tensor? cu_seqlens=None, *, int ignore_index=-100) -> Tensor",
         lce_torch::op_tags());
   m.def("sequence_logprobs(Tensor logprobs, Tensor? targets=None, Tensor? cu_seqlens=None, Tensor? weights=None, *, "
@@ -578,6 +597,8 @@ TORCH_LIBRARY_FRAGMENT(lce, m) {
         "-> (Tensor loss, Tensor grad_logprobs, Tensor seq_kl, Tensor seq_tokens, Tensor metrics)",
         lce_torch::op_tags());
 }
+
+TORCH_LIBRARY_IMPL(lce, CompositeExplicitAutograd, m) { m.impl("refuse_on_group", &lce_torch::refuse_on_group); }
 
 TORCH_LIBRARY_IMPL(lce, CPU, m) {
   m.impl("next_token_targets", &lce_torch::next_token_targets);

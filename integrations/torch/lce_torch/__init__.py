@@ -33,7 +33,8 @@ import zlib
 import torch
 
 from . import _ops  # noqa: F401  (registers fake kernels and autograd)
-from ._ops import checked_on_group, device_of, group_name_of, refuse_create_graph, refuse_forward_ad, require_tensors
+from ._ops import (Refused, check_shapes, checked_on_group, device_of, group_name_of, refuse_create_graph,
+                   refuse_forward_ad, require_tensors)
 from ._losses import (
     DistillResult,
     DPOResult,
@@ -96,9 +97,15 @@ def _head_call(fn, op, hidden, weight, ids_name, ids, bias, group, option_values
         opts = _options(*option_values, group)
         if group is not None:
             opts["caller_settings"] = fn  # so that a rank in another wrapper of the same op says so
+            if torch.compiler.is_compiling():  # (eager: the kernel's own checks, in its exchange)
+                check_shapes(hidden, weight, ids, bias, opts["sequence_parallel"], sets=ids_name == "ids")
         return opts
 
-    opts = checked_on_group(group, device_of(hidden, weight), prepare)
+    opts = checked_on_group(group, device_of(hidden, weight), prepare, anchor=hidden)
+    if isinstance(opts, Refused):
+        stand_in = opts.like(ids)
+        outputs = 1 + int(bool(with_entropy)) + int(bool(return_lse)) + int(bool(return_mean_logit))
+        return stand_in if outputs == 1 else (stand_in,) * outputs
     logp, lse, ent, mean = op(hidden, weight, ids, bias, with_entropy=with_entropy,
                               with_mean_logit=return_mean_logit, **opts)
     out = (logp,)
@@ -354,6 +361,8 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
         if weight is not None:
             _check_class_weight(weight, linear_weight, vocab_start, group)
             _check_targets_weighted(target, weight, opts["ignore_index"])
+        if group is not None and torch.compiler.is_compiling():
+            check_shapes(input, linear_weight, target, linear_bias, opts["sequence_parallel"])
         if group is not None:
             # What the ranks' shares of one loss must agree on beyond lce's own call (which
             # compares the shapes, options and targets): how the loss is made from the
@@ -362,7 +371,10 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
                                        f"fused={bool(fused)}, weight {_class_weight_fingerprint(weight)})")
         return smoothing, opts
 
-    label_smoothing, opts = checked_on_group(group, device_of(input, linear_weight), check)
+    prepared = checked_on_group(group, device_of(input, linear_weight), check, anchor=input)
+    if isinstance(prepared, Refused):
+        return prepared.like(target) if reduction == "none" else prepared.token
+    label_smoothing, opts = prepared
     needs_grad = torch.is_grad_enabled() and (input.requires_grad or linear_weight.requires_grad or
                                               (linear_bias is not None and linear_bias.requires_grad))
     if reduction != "none" and fused and needs_grad:

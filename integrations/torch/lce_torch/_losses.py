@@ -18,7 +18,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _C  # noqa: F401  (loads the library: registers torch.ops.lce.*)
-from ._ops import checked_on_group, group_name_of, refuse_create_graph, refuse_forward_ad, require_tensors
+from ._ops import Refused, checked_on_group, group_name_of, refuse_create_graph, refuse_forward_ad, require_tensors
 
 _ops = torch.ops.lce
 
@@ -332,7 +332,10 @@ def sft_loss(logprobs, targets=None, cu_seqlens=None, *, weights=None, ignore_in
                     label_smoothing=float(label_smoothing), normaliser=_normaliser(normaliser),
                     group_name=group_name_of(group))
 
-    args, kwargs = checked_on_group(group, _EXCHANGE_DEVICE, prepare)
+    prepared = checked_on_group(group, _EXCHANGE_DEVICE, prepare)
+    if isinstance(prepared, Refused):
+        return SFTResult(*(prepared.token,) * len(SFTResult._fields))
+    args, kwargs = prepared
     out = _ops.sft_loss(*args, **kwargs)
     loss, metrics = out[0], out[4]
     return SFTResult(loss, metrics[0], metrics[1].to(torch.int64), metrics[2].to(torch.int64), metrics[3])
@@ -385,7 +388,10 @@ def dpo_loss(logprobs, cu_seqlens=None, *, ref_seq_logprobs=None, ref_logprobs=N
                     length_average=bool(length_average), normaliser=_normaliser(normaliser),
                     group_name=group_name_of(group))
 
-    args, kwargs = checked_on_group(group, _EXCHANGE_DEVICE, prepare)
+    prepared = checked_on_group(group, _EXCHANGE_DEVICE, prepare)
+    if isinstance(prepared, Refused):
+        return DPOResult(*(prepared.token,) * len(DPOResult._fields))
+    args, kwargs = prepared
     loss, _, seq_logprobs, _, seq_tokens, metrics = _ops.dpo_loss(*args, **kwargs)
     return DPOResult(loss, metrics[0], metrics[1], metrics[2].to(torch.int64), metrics[3], metrics[4], metrics[5],
                      metrics[6], metrics[7], seq_logprobs, seq_tokens)
@@ -427,7 +433,10 @@ def policy_gradient_loss(logprobs, advantages, cu_seqlens=None, *, old_logprobs=
                     entropy_coef=float(entropy_coef), sequence_advantages=bool(sequence_advantages),
                     normaliser=_normaliser(normaliser), group_name=group_name_of(group))
 
-    args, kwargs = checked_on_group(group, _EXCHANGE_DEVICE, prepare)
+    prepared = checked_on_group(group, _EXCHANGE_DEVICE, prepare)
+    if isinstance(prepared, Refused):
+        return PolicyGradientResult(*(prepared.token,) * len(PolicyGradientResult._fields))
+    args, kwargs = prepared
     loss, _, _, _, m = _ops.policy_gradient_loss(*args, **kwargs)
     return PolicyGradientResult(loss, m[0], m[1], m[2], m[3].to(torch.int64), m[4], m[5], m[6], m[7], m[8], m[9],
                                 m[10], m[11])
@@ -498,6 +507,9 @@ def distill_loss(student_logprobs, teacher_logprobs, ids, cu_seqlens=None, *, ta
                     ignore_index=int(ignore_index), reduction=_text(fn, "reduction", reduction),
                     tail=_text(fn, "tail", tail), normaliser=_normaliser(normaliser), group_name=group_name_of(group))
 
-    args, kwargs = checked_on_group(group, _EXCHANGE_DEVICE, prepare)
+    prepared = checked_on_group(group, _EXCHANGE_DEVICE, prepare)
+    if isinstance(prepared, Refused):
+        return DistillResult(*(prepared.token,) * len(DistillResult._fields))
+    args, kwargs = prepared
     loss, _, seq_kl, seq_tokens, m = _ops.distill_loss(*args, **kwargs)
     return DistillResult(loss, m[0], m[1], m[2], m[3].to(torch.int64), m[4], seq_kl, seq_tokens)

@@ -89,17 +89,49 @@ def require_tensors(fn, **arguments):
             raise TypeError(f"lce_torch.{fn}: {name} must be a torch.Tensor, got {type(value).__name__}")
 
 
-def checked_on_group(group, device, prepare):
+class Refused:
+    """What ``checked_on_group`` returns in place of ``prepare()``'s value where, inside
+    torch.compile, this rank's checks raised: ``token`` is the output of lce.refuse_on_group,
+    which, when the compiled graph runs, meets the other ranks' exchange and raises this
+    rank's error (the others raise "rank r rejected its arguments"). A wrapper returns
+    ``token``, or ``like(...)`` of it, in place of its results, so that the graph keeps it."""
+
+    def __init__(self, token):
+        self.token = token
+
+    def like(self, tensor):
+        return self.token.expand(tensor.shape) if isinstance(tensor, torch.Tensor) else self.token
+
+
+def checked_on_group(group, device, prepare, anchor=None):
     """Runs ``prepare()``, this rank's Python-side checks and conversions (no collective), and
-    returns what it returns. With a group (outside torch.compile), every rank must learn of
-    a check that raises here, or the others would wait in the op's exchange
-    (lce.agree_on_group takes this rank's part in it: ok False, then its own error raises).
-    So every conversion of an argument (int(), float(), a tensor's attributes) belongs in
-    ``prepare``. (Settings the ranks must share beyond lce's own call go to the op as its
+    returns what it returns. With a group, every rank must learn of a check that raises
+    here, or the others would wait in the op's exchange: outside torch.compile
+    lce.agree_on_group takes this rank's part in it (ok False), then its own error raises;
+    inside, where nothing can be exchanged while tracing, the error is put in the graph
+    (lce.refuse_on_group, on ``anchor``'s device: a tensor argument) and a ``Refused`` is
+    returned, so that every rank raises when the compiled graph runs. So every conversion
+    of an argument (int(), float(), a tensor's attributes) belongs in ``prepare``.
+    (Settings the ranks must share beyond lce's own call go to the op as its
     ``caller_settings``, compared in the op's exchange, inside torch.compile too.)"""
-    if group is None or torch.compiler.is_compiling():
+    if group is None:
         return prepare()
     name = group_name_of(group)
+    if torch.compiler.is_compiling():
+        # One except clause per type: the op raises the same Python type when the graph runs.
+        try:
+            return prepare()
+        except ValueError as e:
+            error, kind = str(e), "ValueError"
+        except TypeError as e:
+            error, kind = str(e), "TypeError"
+        except NotImplementedError as e:
+            error, kind = str(e), "NotImplementedError"
+        except Exception as e:  # noqa: BLE001  (RuntimeError, and any other: raised as RuntimeError)
+            error, kind = str(e), "RuntimeError"
+        if not isinstance(anchor, torch.Tensor):
+            anchor = torch.empty((0,), device=device)
+        return Refused(torch.ops.lce.refuse_on_group(anchor.detach(), name, error, kind))
     try:
         return prepare()
     except Exception:
@@ -114,49 +146,51 @@ def _result_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _check_fake(hidden, weight, targets, bias, options, sets=False):
-    # The checks of the C++ kernels (csrc/register.cpp) that the shapes alone decide, so that
-    # torch.compile and meta tensors raise where eager does.
+def _shape_rules(hidden, weight, targets, bias, sequence_parallel, sets=False):
+    """The checks of the C++ kernels (csrc/register.cpp) that the shapes, dtypes and devices
+    alone decide, as (condition, message) pairs: the fake kernels assert them (so that
+    torch.compile and meta tensors raise where eager does), and a wrapper called with a
+    group checks them among its own (``check_shapes``), so that inside torch.compile a rank
+    whose shapes are wrong refuses on the group instead of raising alone while tracing."""
     name = "ids" if sets else "targets"
-    torch._check(weight.dim() == 2, lambda: f"lce_torch: weight must be [V_local, H], got {tuple(weight.shape)}")
-    torch._check(hidden.dim() >= 1, lambda: "lce_torch: hidden must be [..., H], got a scalar")
+    yield weight.dim() == 2, lambda: f"lce_torch: weight must be [V_local, H], got {tuple(weight.shape)}"
+    yield hidden.dim() >= 1, lambda: "lce_torch: hidden must be [..., H], got a scalar"
     devices = [t.device for t in (hidden, weight, targets, bias) if t is not None]
-    torch._check(
-        all(d == devices[0] for d in devices),
-        lambda: f"lce_torch: hidden, weight, {name} (and bias) must be on one device, got {devices}",
-    )
-    if not options.get("sequence_parallel", False):
+    yield (all(d == devices[0] for d in devices),
+           lambda: f"lce_torch: hidden, weight, {name} (and bias) must be on one device, got {devices}")
+    if not sequence_parallel:
         tokens = tuple(hidden.shape[:-1])
         if sets:
-            torch._check(
-                targets.dim() >= 1 and tuple(targets.shape[:-1]) == tokens,
-                lambda: f"lce_torch: ids must be [..., K] with hidden's leading shape {list(tokens)} "
-                f"(hidden {list(hidden.shape)}), got {list(targets.shape)}",
-            )
+            yield (targets.dim() >= 1 and tuple(targets.shape[:-1]) == tokens,
+                   lambda: f"lce_torch: ids must be [..., K] with hidden's leading shape {list(tokens)} "
+                   f"(hidden {list(hidden.shape)}), got {list(targets.shape)}")
         else:
-            torch._check(
-                tuple(targets.shape) == tokens,
-                lambda: f"lce_torch: targets must have hidden's leading shape {list(tokens)} "
-                f"(hidden {list(hidden.shape)}), got {list(targets.shape)}",
-            )
-    torch._check(
-        hidden.dtype == weight.dtype,
-        lambda: f"lce_torch: hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype",
-    )
-    torch._check(
-        targets.dtype in (torch.int32, torch.int64),
-        lambda: f"lce_torch: targets must be int32 or int64, got {targets.dtype}",
-    )
+            yield (tuple(targets.shape) == tokens,
+                   lambda: f"lce_torch: targets must have hidden's leading shape {list(tokens)} "
+                   f"(hidden {list(hidden.shape)}), got {list(targets.shape)}")
+    yield (hidden.dtype == weight.dtype,
+           lambda: f"lce_torch: hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype")
+    yield (targets.dtype in (torch.int32, torch.int64),
+           lambda: f"lce_torch: targets must be int32 or int64, got {targets.dtype}")
     if bias is not None:
-        torch._check(
-            bias.dim() == 1 and bias.shape[0] == weight.shape[0],
-            lambda: f"lce_torch: bias must be [V_local] = [{weight.shape[0]}] (one entry per row of weight), "
-            f"got {tuple(bias.shape)}",
-        )
-        torch._check(
-            bias.dtype == weight.dtype,
-            lambda: f"lce_torch: bias ({bias.dtype}) must have the dtype of weight ({weight.dtype})",
-        )
+        yield (bias.dim() == 1 and bias.shape[0] == weight.shape[0],
+               lambda: f"lce_torch: bias must be [V_local] = [{weight.shape[0]}] (one entry per row of weight), "
+               f"got {tuple(bias.shape)}")
+        yield (bias.dtype == weight.dtype,
+               lambda: f"lce_torch: bias ({bias.dtype}) must have the dtype of weight ({weight.dtype})")
+
+
+def _check_fake(hidden, weight, targets, bias, options, sets=False):
+    for holds, message in _shape_rules(hidden, weight, targets, bias, options.get("sequence_parallel", False), sets):
+        torch._check(holds, message)
+
+
+def check_shapes(hidden, weight, targets, bias, sequence_parallel, sets=False):
+    """``_shape_rules`` as a wrapper's check: the first broken one raises RuntimeError, as the
+    fake kernels' ``torch._check`` and the C++ kernels do."""
+    for holds, message in _shape_rules(hidden, weight, targets, bias, sequence_parallel, sets):
+        if not holds:
+            raise RuntimeError(message())
 
 
 def _bias_gradient_fake(bias, weight):
@@ -164,6 +198,11 @@ def _bias_gradient_fake(bias, weight):
 
 
 # ---- fake kernels -----------------------------------------------------------
+
+
+@torch.library.register_fake("lce::refuse_on_group")
+def _refuse_on_group_fake(anchor, group_name, message, error_type):
+    return anchor.new_empty(())
 
 
 @torch.library.register_fake("lce::logprobs")

@@ -67,6 +67,33 @@ def _cross_entropy_checks(rank, world, group):
             hh, ww, y, group=group, vocab_start=a, fused=fused, **kw), fullgraph=True, backend="aot_eager")
         _expect(rank, lambda: step(h.clone().requires_grad_(), w[a:b].clone().requires_grad_()).backward(), settings)
     torch._dynamo.reset()
+    # A check that fails on rank 0 alone while it traces: put in the graph, so that every
+    # rank raises when it runs (rank 0 its own error, of its own type), none waits.
+    short = y[:-1] if rank == 0 else y
+    for target, mine, want in (
+            (y, dict(reduction="bogus" if rank == 0 else "mean"), "reduction must be 'mean', 'sum' or"),
+            (y, dict(label_smoothing=1.5 if rank == 0 else 0.0), "label_smoothing must be between"),
+            (short, {}, "targets must have hidden's leading shape"),
+            (y, dict(linear_bias=torch.zeros(b - a + (rank == 0))), "bias must be [V_local]")):
+        step = torch.compile(lambda hh, ww, yy=target, kw=mine: lce_torch.linear_cross_entropy(
+            hh, ww, yy, group=group, vocab_start=a, **kw), fullgraph=True, backend="aot_eager")
+        _expect(rank, lambda: step(h.clone().requires_grad_(), w[a:b].clone().requires_grad_()).backward(),
+                {0: want, "others": rejected})
+        torch._dynamo.reset()
+    step = torch.compile(lambda hh, ww: lce_torch.linear_logprobs(
+        hh, ww.double() if rank == 0 else ww, y, group=group, vocab_start=a, with_entropy=True),
+        fullgraph=True, backend="aot_eager")
+    _expect(rank, lambda: step(h, w[a:b]), {0: "must have the same dtype", "others": rejected})
+    try:
+        step = torch.compile(lambda hh, ww: lce_torch.linear_cross_entropy(
+            hh, ww, y, group=group, vocab_start=a, reduction="bogus" if rank == 0 else "mean"),
+            fullgraph=True, backend="aot_eager")
+        step(h, w[a:b])
+    except ValueError as e:  # the check's own type on the rank that made it
+        assert rank == 0 and "reduction must be" in str(e), (rank, e)
+    except RuntimeError as e:
+        assert rank != 0 and rejected in str(e), (rank, e)
+    torch._dynamo.reset()
 
     # Still usable, and right: one process's loss and gradient.
     cw = torch.linspace(0.5, 1.5, V)
@@ -117,6 +144,11 @@ def _loss_checks(rank, world, group):
     _expect(rank, lambda: lce_torch.dpo_loss(lp, cu, ref_logprobs=lp - 0.1, beta=0.1 + rank, group=group), settings)
     _expect(rank, lambda: lce_torch.policy_gradient_loss(lp, torch.ones(12, dtype=torch.float64), cu,
                                                          kl="k1" if rank == 0 else "k3", group=group), settings)
+    # Inside torch.compile a Python-side check that fails on rank 0 alone raises on every rank.
+    step = torch.compile(lambda x: lce_torch.sft_loss(x.view(3, 4, 1) if rank == 0 else x, None, cu_seqlens=cu,
+                                                      group=group).loss, fullgraph=True, backend="aot_eager")
+    _expect(rank, lambda: step(lp), {0: "logprobs must be packed [N] (with cu_seqlens) or [B, T]", "others": rejected})
+    torch._dynamo.reset()
 
     # Still usable, and right: the ranks' losses sum to the loss over every rank's tokens.
     mine = sft().loss
