@@ -334,7 +334,7 @@ def sft_loss(logprobs, targets=None, cu_seqlens=None, *, weights=None, ignore_in
 
     prepared = checked_on_group(group, _EXCHANGE_DEVICE, prepare)
     if isinstance(prepared, Refused):
-        return SFTResult(*(prepared.token,) * len(SFTResult._fields))
+        return prepared.filled(SFTResult)
     args, kwargs = prepared
     out = _ops.sft_loss(*args, **kwargs)
     loss, metrics = out[0], out[4]
@@ -390,7 +390,7 @@ def dpo_loss(logprobs, cu_seqlens=None, *, ref_seq_logprobs=None, ref_logprobs=N
 
     prepared = checked_on_group(group, _EXCHANGE_DEVICE, prepare)
     if isinstance(prepared, Refused):
-        return DPOResult(*(prepared.token,) * len(DPOResult._fields))
+        return prepared.filled(DPOResult)
     args, kwargs = prepared
     loss, _, seq_logprobs, _, seq_tokens, metrics = _ops.dpo_loss(*args, **kwargs)
     return DPOResult(loss, metrics[0], metrics[1], metrics[2].to(torch.int64), metrics[3], metrics[4], metrics[5],
@@ -435,7 +435,7 @@ def policy_gradient_loss(logprobs, advantages, cu_seqlens=None, *, old_logprobs=
 
     prepared = checked_on_group(group, _EXCHANGE_DEVICE, prepare)
     if isinstance(prepared, Refused):
-        return PolicyGradientResult(*(prepared.token,) * len(PolicyGradientResult._fields))
+        return prepared.filled(PolicyGradientResult)
     args, kwargs = prepared
     loss, _, _, _, m = _ops.policy_gradient_loss(*args, **kwargs)
     return PolicyGradientResult(loss, m[0], m[1], m[2], m[3].to(torch.int64), m[4], m[5], m[6], m[7], m[8], m[9],
@@ -509,7 +509,7 @@ def distill_loss(student_logprobs, teacher_logprobs, ids, cu_seqlens=None, *, ta
 
     prepared = checked_on_group(group, _EXCHANGE_DEVICE, prepare)
     if isinstance(prepared, Refused):
-        return DistillResult(*(prepared.token,) * len(DistillResult._fields))
+        return prepared.filled(DistillResult)
     args, kwargs = prepared
     loss, _, seq_kl, seq_tokens, m = _ops.distill_loss(*args, **kwargs)
     return DistillResult(loss, m[0], m[1], m[2], m[3].to(torch.int64), m[4], seq_kl, seq_tokens)

@@ -102,6 +102,10 @@ class Refused:
     def like(self, tensor):
         return self.token.expand(tensor.shape) if isinstance(tensor, torch.Tensor) else self.token
 
+    def filled(self, result_type):
+        """A loss's NamedTuple result with ``token`` in every field."""
+        return result_type(*(self.token,) * len(result_type._fields))
+
 
 def checked_on_group(group, device, prepare, anchor=None):
     """Runs ``prepare()``, this rank's Python-side checks and conversions (no collective), and
