@@ -34,7 +34,7 @@ import torch
 
 from . import _ops  # noqa: F401  (registers fake kernels and autograd)
 from ._ops import (Refused, check_shapes, checked_on_group, device_of, group_name_of, refuse_create_graph,
-                   refuse_forward_ad, require_tensors)
+                   refuse_forward_ad, require_tensors, shape_list)
 from ._losses import (
     DistillResult,
     DPOResult,
@@ -103,9 +103,13 @@ def _head_call(fn, op, hidden, weight, ids_name, ids, bias, group, option_values
 
     opts = checked_on_group(group, device_of(hidden, weight), prepare, anchor=hidden)
     if isinstance(opts, Refused):
-        stand_in = opts.like(ids)
-        outputs = 1 + int(bool(with_entropy)) + int(bool(return_lse)) + int(bool(return_mean_logit))
-        return stand_in if outputs == 1 else (stand_in,) * outputs
+        # Shaped and typed as the op's results, so that the caller's code after it traces.
+        dtype = torch.float64 if isinstance(hidden, torch.Tensor) and hidden.dtype == torch.float64 else torch.float32
+        logp = opts.like(ids, dtype)
+        sets = ids_name == "ids" and isinstance(ids, torch.Tensor) and ids.dim() >= 1
+        per_token = opts.like(ids[..., 0], dtype) if sets else logp
+        out = (logp,) + (per_token,) * (int(bool(with_entropy)) + int(bool(return_lse)) + int(bool(return_mean_logit)))
+        return out[0] if len(out) == 1 else out
     logp, lse, ent, mean = op(hidden, weight, ids, bias, with_entropy=with_entropy,
                               with_mean_logit=return_mean_logit, **opts)
     out = (logp,)
@@ -182,13 +186,13 @@ def _check_class_weight(class_weight, linear_weight, vocab_start, group):
     # every target (_check_targets_weighted).
     shard_end = int(vocab_start) + linear_weight.shape[0]
     if group is None:
-        ok, want = class_weight.dim() == 1 and class_weight.shape[0] == shard_end, f"[V] = [{shard_end}]"
+        ok, want = class_weight.dim() == 1 and class_weight.shape[0] == shard_end, f"[V] = [{int(shard_end)}]"
     else:
         ok, want = class_weight.dim() == 1 and class_weight.shape[0] >= shard_end, \
-            f"[V] (the whole vocabulary, the same on every rank: at least {shard_end} here)"
+            f"[V] (the whole vocabulary, the same on every rank: at least {int(shard_end)} here)"
     if not ok:
         raise ValueError(f"lce_torch.linear_cross_entropy: weight (class weights) must be {want}, one per class, "
-                         f"got {list(class_weight.shape)}")
+                         f"got {shape_list(class_weight.shape)}")
     if not class_weight.is_floating_point():
         raise TypeError(f"lce_torch.linear_cross_entropy: weight (class weights) must be floating point, got "
                         f"{class_weight.dtype}")
@@ -224,7 +228,7 @@ def _class_weight_fingerprint(class_weight):
     # (Traced by torch.compile, its dtype and shape alone: a trace cannot read the values.)
     if class_weight is None:
         return "none"
-    described = f"{class_weight.dtype} {list(class_weight.shape)}"
+    described = f"{class_weight.dtype} {shape_list(class_weight.shape)}"
     if torch.compiler.is_compiling():
         return described
     data = class_weight.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
@@ -239,6 +243,11 @@ def _token_weights(targets, class_weight, ignore_index, dtype):
     # where _check_targets_weighted cannot run (torch.compile), not an out-of-bounds gather.
     safe = torch.where(valid, targets, torch.zeros_like(targets)).long().clamp(0, class_weight.shape[0] - 1)
     return torch.where(valid, class_weight.to(dtype)[safe], torch.zeros((), dtype=dtype, device=targets.device))
+
+
+_NO_CLASS_WEIGHT_GRADIENT = (
+    "lce_torch.linear_cross_entropy: no gradient for weight (the class weights) in the one-sweep path, as in "
+    "F.cross_entropy: pass them detached, or fused=False to differentiate them")
 
 
 class _FusedCrossEntropy(torch.autograd.Function):
@@ -282,9 +291,7 @@ class _FusedCrossEntropy(torch.autograd.Function):
         refuse_create_graph("lce_torch: linear_cross_entropy's one-sweep gradients are not differentiable themselves "
                             "(no double backward, create_graph=True)")
         if ctx.needs_input_grad[4]:
-            raise NotImplementedError(
-                "lce_torch.linear_cross_entropy: no gradient for weight (the class weights) in the one-sweep path, "
-                "as in F.cross_entropy: pass them detached, or fused=False to differentiate them")
+            raise NotImplementedError(_NO_CLASS_WEIGHT_GRADIENT)
         try:
             grad_hidden, grad_weight, grad_bias = ctx.saved_tensors
         except RuntimeError as e:
@@ -363,6 +370,10 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
             _check_targets_weighted(target, weight, opts["ignore_index"])
         if group is not None and torch.compiler.is_compiling():
             check_shapes(input, linear_weight, target, linear_bias, opts["sequence_parallel"])
+            # torch.compile traces the backward too, whose refusal would be this rank's alone.
+            if (weight is not None and weight.requires_grad and fused and reduction != "none" and
+                    torch.is_grad_enabled()):
+                raise NotImplementedError(_NO_CLASS_WEIGHT_GRADIENT)
         if group is not None:
             # What the ranks' shares of one loss must agree on beyond lce's own call (which
             # compares the shapes, options and targets): how the loss is made from the
@@ -373,7 +384,8 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
 
     prepared = checked_on_group(group, device_of(input, linear_weight), check, anchor=input)
     if isinstance(prepared, Refused):
-        return prepared.like(target) if reduction == "none" else prepared.token
+        dtype = input.dtype if isinstance(input, torch.Tensor) else None
+        return prepared.like(target, dtype) if reduction == "none" else prepared.like(None, dtype)
     label_smoothing, opts = prepared
     needs_grad = torch.is_grad_enabled() and (input.requires_grad or linear_weight.requires_grad or
                                               (linear_bias is not None and linear_bias.requires_grad))

@@ -18,7 +18,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _C  # noqa: F401  (loads the library: registers torch.ops.lce.*)
-from ._ops import Refused, checked_on_group, group_name_of, refuse_create_graph, refuse_forward_ad, require_tensors
+from ._ops import (Refused, checked_on_group, group_name_of, refuse_create_graph, refuse_forward_ad, require_tensors,
+                   shape_tuple)
 
 _ops = torch.ops.lce
 
@@ -241,7 +242,7 @@ class _Layout:
         self.shape = tuple(logprobs.shape)
         if logprobs.dim() == 2:
             if cu_seqlens is not None:
-                raise ValueError(f"lce_torch.{fn}: a [B, T] logprobs ({tuple(logprobs.shape)}) takes no cu_seqlens "
+                raise ValueError(f"lce_torch.{fn}: a [B, T] logprobs ({shape_tuple(logprobs.shape)}) takes no cu_seqlens "
                                  f"(its rows are the sequences); pass packed [N] tensors with cu_seqlens instead")
             b, t = logprobs.shape
             self.cu_seqlens = torch.arange(b + 1, dtype=torch.int64, device=logprobs.device) * t
@@ -249,7 +250,7 @@ class _Layout:
             self.cu_seqlens = cu_seqlens
         else:
             raise ValueError(f"lce_torch.{fn}: logprobs must be packed [N] (with cu_seqlens) or [B, T], got shape "
-                             f"{tuple(logprobs.shape)}")
+                             f"{shape_tuple(logprobs.shape)}")
 
     def tokens(self, t, name, dtype=None):
         """A per-token tensor as [N] (in dtype); None stays None."""
@@ -258,7 +259,7 @@ class _Layout:
         refuse_forward_ad(self.fn, t)
         if len(self.shape) == 2:
             if tuple(t.shape) != self.shape:
-                raise ValueError(f"lce_torch.{self.fn}: {name} has shape {tuple(t.shape)}, logprobs {self.shape}")
+                raise ValueError(f"lce_torch.{self.fn}: {name} has shape {shape_tuple(t.shape)}, logprobs {shape_tuple(self.shape)}")
             t = t.reshape(-1)
         return t if dtype is None else t.to(dtype)
 
@@ -368,8 +369,8 @@ def dpo_loss(logprobs, cu_seqlens=None, *, ref_seq_logprobs=None, ref_logprobs=N
             # The reference's per-token log-probs are summed against the policy's targets:
             # checked here, so that a short one is named rather than the targets.
             if tuple(ref_logprobs.shape) != tuple(logprobs.shape):
-                raise ValueError(f"lce_torch.dpo_loss: ref_logprobs has shape {tuple(ref_logprobs.shape)}, logprobs "
-                                 f"{tuple(logprobs.shape)}")
+                raise ValueError(f"lce_torch.dpo_loss: ref_logprobs has shape {shape_tuple(ref_logprobs.shape)}, logprobs "
+                                 f"{shape_tuple(logprobs.shape)}")
             ref_seq_logprobs, _ = _ops.sequence_logprobs(
                 layout.tokens(ref_logprobs, "ref_logprobs", logprobs.dtype).detach(), flat_targets,
                 layout.cu_seqlens, flat_weights, ignore_index=int(ignore_index), length_average=bool(length_average))
@@ -380,7 +381,7 @@ def dpo_loss(logprobs, cu_seqlens=None, *, ref_seq_logprobs=None, ref_logprobs=N
                                                                                              dtype=torch.int64)
             if pair_list.numel() != 0 and pair_list.dim() != 1 and (pair_list.dim() != 2 or pair_list.shape[1] != 2):
                 raise ValueError(f"lce_torch.dpo_loss: pairs must be [P, 2] (chosen, rejected) sequence indices or "
-                                 f"flat [2 P], got shape {tuple(pair_list.shape)}")
+                                 f"flat [2 P], got shape {shape_tuple(pair_list.shape)}")
             pair_list = pair_list.reshape(-1)
         return (layout.tokens(logprobs, "logprobs"), ref_seq_logprobs.to(torch.float64), flat_targets,
                 layout.cu_seqlens, flat_weights, pair_list), dict(
@@ -470,7 +471,7 @@ def distill_loss(student_logprobs, teacher_logprobs, ids, cu_seqlens=None, *, ta
                         cu_seqlens=cu_seqlens, targets=targets, weights=weights)
         if student_logprobs.dim() == 3:
             if cu_seqlens is not None:
-                raise ValueError(f"lce_torch.{fn}: a [B, T, K] student_logprobs ({tuple(student_logprobs.shape)}) takes "
+                raise ValueError(f"lce_torch.{fn}: a [B, T, K] student_logprobs ({shape_tuple(student_logprobs.shape)}) takes "
                                  f"no cu_seqlens (its rows are the sequences); pass packed [N, K] tensors instead")
             b, t, k = student_logprobs.shape
             cu_seqlens = torch.arange(b + 1, dtype=torch.int64, device=student_logprobs.device) * t
@@ -481,13 +482,13 @@ def distill_loss(student_logprobs, teacher_logprobs, ids, cu_seqlens=None, *, ta
             per_token = None
         else:
             raise ValueError(f"lce_torch.{fn}: student_logprobs must be packed [N, K] (with cu_seqlens) or [B, T, K], "
-                             f"got shape {tuple(student_logprobs.shape)}")
+                             f"got shape {shape_tuple(student_logprobs.shape)}")
 
         def sets(x, name, dtype=None):
             if per_token is not None:
                 if x.dim() != 3 or tuple(x.shape[:2]) != per_token:
-                    raise ValueError(f"lce_torch.{fn}: {name} has shape {tuple(x.shape)}, student_logprobs "
-                                     f"{tuple(student_logprobs.shape)}")
+                    raise ValueError(f"lce_torch.{fn}: {name} has shape {shape_tuple(x.shape)}, student_logprobs "
+                                     f"{shape_tuple(student_logprobs.shape)}")
                 x = x.reshape(per_set)
             return x if dtype is None else x.to(dtype)
 
@@ -496,7 +497,7 @@ def distill_loss(student_logprobs, teacher_logprobs, ids, cu_seqlens=None, *, ta
                 return None
             if per_token is not None:
                 if tuple(x.shape) != per_token:
-                    raise ValueError(f"lce_torch.{fn}: {name} has shape {tuple(x.shape)}, expected {per_token}")
+                    raise ValueError(f"lce_torch.{fn}: {name} has shape {shape_tuple(x.shape)}, expected {shape_tuple(per_token)}")
                 x = x.reshape(-1)
             return x if dtype is None else x.to(dtype)
 

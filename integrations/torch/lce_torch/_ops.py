@@ -99,8 +99,10 @@ class Refused:
     def __init__(self, token):
         self.token = token
 
-    def like(self, tensor):
-        return self.token.expand(tensor.shape) if isinstance(tensor, torch.Tensor) else self.token
+    def like(self, tensor, dtype=None):
+        """``token`` shaped like ``tensor`` (where it is one), in ``dtype``."""
+        shaped = self.token.expand(tensor.shape) if isinstance(tensor, torch.Tensor) else self.token
+        return shaped if dtype is None else shaped.to(dtype)
 
     def filled(self, result_type):
         """A loss's NamedTuple result with ``token`` in every field."""
@@ -146,6 +148,27 @@ def checked_on_group(group, device, prepare, anchor=None):
         raise
 
 
+def _sizes_text(shape):
+    # Sizes as int() joined by f-strings: under dynamic shapes Dynamo cannot make text of
+    # symbolic sizes with list(), join or %, and a message it cannot make fails the trace
+    # (on that rank alone) instead of becoming a refusal.
+    text = ""
+    for size in shape:
+        text = f"{text}, {int(size)}" if text else f"{int(size)}"
+    return text
+
+
+def shape_list(shape):
+    """``shape`` as ``list(shape)`` prints it ("[6, 8]"), also for symbolic sizes."""
+    return f"[{_sizes_text(shape)}]"
+
+
+def shape_tuple(shape):
+    """``shape`` as ``tuple(shape)`` prints it ("(5,)", "(2, 3)"), also for symbolic sizes."""
+    text = _sizes_text(shape)
+    return f"({text},)" if len(shape) == 1 else f"({text})"
+
+
 def _result_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
@@ -157,8 +180,10 @@ def _shape_rules(hidden, weight, targets, bias, sequence_parallel, sets=False):
     group checks them among its own (``check_shapes``), so that inside torch.compile a rank
     whose shapes are wrong refuses on the group instead of raising alone while tracing."""
     name = "ids" if sets else "targets"
-    yield weight.dim() == 2, lambda: f"lce_torch: weight must be [V_local, H], got {tuple(weight.shape)}"
+    yield weight.dim() == 2, lambda: f"lce_torch: weight must be [V_local, H], got {shape_tuple(weight.shape)}"
     yield hidden.dim() >= 1, lambda: "lce_torch: hidden must be [..., H], got a scalar"
+    if sets:
+        yield targets.dim() >= 1, lambda: "lce_torch: ids must be [..., K] (K ids per token), got a scalar"
     devices = [t.device for t in (hidden, weight, targets, bias) if t is not None]
     yield (all(d == devices[0] for d in devices),
            lambda: f"lce_torch: hidden, weight, {name} (and bias) must be on one device, got {devices}")
@@ -166,20 +191,20 @@ def _shape_rules(hidden, weight, targets, bias, sequence_parallel, sets=False):
         tokens = tuple(hidden.shape[:-1])
         if sets:
             yield (targets.dim() >= 1 and tuple(targets.shape[:-1]) == tokens,
-                   lambda: f"lce_torch: ids must be [..., K] with hidden's leading shape {list(tokens)} "
-                   f"(hidden {list(hidden.shape)}), got {list(targets.shape)}")
+                   lambda: f"lce_torch: ids must be [..., K] with hidden's leading shape {shape_list(tokens)} "
+                   f"(hidden {shape_list(hidden.shape)}), got {shape_list(targets.shape)}")
         else:
             yield (tuple(targets.shape) == tokens,
-                   lambda: f"lce_torch: targets must have hidden's leading shape {list(tokens)} "
-                   f"(hidden {list(hidden.shape)}), got {list(targets.shape)}")
+                   lambda: f"lce_torch: targets must have hidden's leading shape {shape_list(tokens)} "
+                   f"(hidden {shape_list(hidden.shape)}), got {shape_list(targets.shape)}")
     yield (hidden.dtype == weight.dtype,
            lambda: f"lce_torch: hidden ({hidden.dtype}) and weight ({weight.dtype}) must have the same dtype")
     yield (targets.dtype in (torch.int32, torch.int64),
            lambda: f"lce_torch: targets must be int32 or int64, got {targets.dtype}")
     if bias is not None:
         yield (bias.dim() == 1 and bias.shape[0] == weight.shape[0],
-               lambda: f"lce_torch: bias must be [V_local] = [{weight.shape[0]}] (one entry per row of weight), "
-               f"got {tuple(bias.shape)}")
+               lambda: f"lce_torch: bias must be [V_local] = [{int(weight.shape[0])}] (one entry per row of weight), "
+               f"got {shape_tuple(bias.shape)}")
         yield (bias.dtype == weight.dtype,
                lambda: f"lce_torch: bias ({bias.dtype}) must have the dtype of weight ({weight.dtype})")
 
@@ -249,7 +274,6 @@ def _logprobs_forward_backward_fake(hidden, weight, targets, grad_logprobs, grad
 @torch.library.register_fake("lce::target_set_logprobs")
 def _target_set_logprobs_fake(hidden, weight, ids, bias=None, *, with_entropy=False, with_mean_logit=False,
                               **options):
-    torch._check(ids.dim() >= 1, lambda: "lce_torch: ids must be [..., K] (K ids per token), got a scalar")
     _check_fake(hidden, weight, ids, bias, options, sets=True)
     rdt = _result_dtype(hidden.dtype)
     rows = ids.shape[:-1]

@@ -118,9 +118,9 @@ def init_group(rank, world, init_file, backend="gloo"):
     default one, so that lce resolves it by its own name."""
     import torch.distributed as dist
 
-    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    return dist.new_group(list(range(world)))
+    timeout = datetime.timedelta(seconds=120)  # a hang fails the test in minutes, not the default 30
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=world, timeout=timeout)
+    return dist.new_group(list(range(world)), timeout=timeout)
 
 
 def _rank_main(rank, body, world, init_file, error_dir, args):

@@ -84,6 +84,20 @@ def _cross_entropy_checks(rank, world, group):
         hh, ww.double() if rank == 0 else ww, y, group=group, vocab_start=a, with_entropy=True),
         fullgraph=True, backend="aot_eager")
     _expect(rank, lambda: step(h, w[a:b]), {0: "must have the same dtype", "others": rejected})
+    # Dynamic shapes (symbolic sizes in the message), and a refused call's results used after it.
+    step = torch.compile(lambda hh, ww, yy: lce_torch.linear_logprobs(hh, ww, yy, group=group, vocab_start=a),
+                         fullgraph=True, backend="aot_eager", dynamic=True)
+    _expect(rank, lambda: step(h, w[a:b], short), {0: "got [7]", "others": rejected})
+    ids = torch.stack([y, (y + 1) % V], -1)
+
+    def sets_step(hh, ww, bb):
+        lp, ent, lse = lce_torch.linear_target_set_logprobs(hh, ww, ids, bias=bb, group=group, vocab_start=a,
+                                                             with_entropy=True, return_lse=True)
+        return (lp.sum(-1) + ent - lse).sum()
+
+    step = torch.compile(sets_step, fullgraph=True, backend="aot_eager")
+    _expect(rank, lambda: step(h, w[a:b], torch.zeros(b - a + (rank == 0))),
+            {0: "bias must be [V_local]", "others": rejected})
     try:
         step = torch.compile(lambda hh, ww: lce_torch.linear_cross_entropy(
             hh, ww, y, group=group, vocab_start=a, reduction="bogus" if rank == 0 else "mean"),
