@@ -34,7 +34,7 @@ import torch
 
 from . import _ops  # noqa: F401  (registers fake kernels and autograd)
 from ._ops import (Refused, check_shapes, checked_on_group, device_of, group_name_of, refuse_create_graph,
-                   refuse_forward_ad, require_tensors, shape_list)
+                   refuse_forward_ad, require_tensors, result_dtype, shape_list)
 from ._losses import (
     DistillResult,
     DPOResult,
@@ -104,7 +104,7 @@ def _head_call(fn, op, hidden, weight, ids_name, ids, bias, group, option_values
     opts = checked_on_group(group, device_of(hidden, weight), prepare, anchor=hidden)
     if isinstance(opts, Refused):
         # Shaped and typed as the op's results, so that the caller's code after it traces.
-        dtype = torch.float64 if isinstance(hidden, torch.Tensor) and hidden.dtype == torch.float64 else torch.float32
+        dtype = result_dtype(hidden.dtype) if isinstance(hidden, torch.Tensor) else torch.float32
         logp = opts.like(ids, dtype)
         sets = ids_name == "ids" and isinstance(ids, torch.Tensor) and ids.dim() >= 1
         per_token = opts.like(ids[..., 0], dtype) if sets else logp

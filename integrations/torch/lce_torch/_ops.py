@@ -169,7 +169,7 @@ def shape_tuple(shape):
     return f"({text},)" if len(shape) == 1 else f"({text})"
 
 
-def _result_dtype(dtype):
+def result_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -190,7 +190,7 @@ def _shape_rules(hidden, weight, targets, bias, sequence_parallel, sets=False):
     if not sequence_parallel:
         tokens = tuple(hidden.shape[:-1])
         if sets:
-            yield (targets.dim() >= 1 and tuple(targets.shape[:-1]) == tokens,
+            yield (tuple(targets.shape[:-1]) == tokens,
                    lambda: f"lce_torch: ids must be [..., K] with hidden's leading shape {shape_list(tokens)} "
                    f"(hidden {shape_list(hidden.shape)}), got {shape_list(targets.shape)}")
         else:
@@ -237,7 +237,7 @@ def _refuse_on_group_fake(anchor, group_name, message, error_type):
 @torch.library.register_fake("lce::logprobs")
 def _logprobs_fake(hidden, weight, targets, bias=None, *, with_entropy=False, with_mean_logit=False, **options):
     _check_fake(hidden, weight, targets, bias, options)
-    rdt = _result_dtype(hidden.dtype)
+    rdt = result_dtype(hidden.dtype)
     logp = targets.new_empty(targets.shape, dtype=rdt)
     lse = targets.new_empty(targets.shape, dtype=rdt)
     ent = targets.new_empty(targets.shape if with_entropy else (0,), dtype=rdt)
@@ -260,7 +260,7 @@ def _logprobs_backward_fake(grad_logprobs, grad_entropy, hidden, weight, targets
 def _logprobs_forward_backward_fake(hidden, weight, targets, grad_logprobs, grad_lse=None, grad_mean_logit=None,
                                     bias=None, *, with_mean_logit=False, **options):
     _check_fake(hidden, weight, targets, bias, options)
-    rdt = _result_dtype(hidden.dtype)
+    rdt = result_dtype(hidden.dtype)
     return (
         targets.new_empty(targets.shape, dtype=rdt),
         torch.empty_like(hidden, memory_format=torch.contiguous_format),
@@ -275,7 +275,7 @@ def _logprobs_forward_backward_fake(hidden, weight, targets, grad_logprobs, grad
 def _target_set_logprobs_fake(hidden, weight, ids, bias=None, *, with_entropy=False, with_mean_logit=False,
                               **options):
     _check_fake(hidden, weight, ids, bias, options, sets=True)
-    rdt = _result_dtype(hidden.dtype)
+    rdt = result_dtype(hidden.dtype)
     rows = ids.shape[:-1]
     logp = ids.new_empty(ids.shape, dtype=rdt)
     lse = ids.new_empty(rows, dtype=rdt)

@@ -107,6 +107,8 @@ def _cross_entropy_checks(rank, world, group):
         assert rank == 0 and "reduction must be" in str(e), (rank, e)
     except RuntimeError as e:
         assert rank != 0 and rejected in str(e), (rank, e)
+    else:
+        raise AssertionError(f"rank {rank}: no error for a reduction of 'bogus' on rank 0")
     torch._dynamo.reset()
 
     # Still usable, and right: one process's loss and gradient.
