@@ -212,6 +212,27 @@ at::Tensor refuse_on_group(const at::Tensor& anchor, const std::string& group_na
   C10_THROW_ERROR(Error, message);
 }
 
+// lce.agree_on_values: the values of a tensor the ranks must share beyond lce's own call
+// (linear_cross_entropy's class weights), compared across the group. Outside
+// torch.compile the wrapper puts a CRC of them in its op's caller_settings; a trace
+// cannot read them, so a compiled wrapper runs this op instead, and uses its result (a
+// zero of values' dtype) so that the graph keeps it. `what` names the tensor with its
+// dtype and shape: ranks whose `what` differs raise as settings that differ, ranks whose
+// bytes differ raise naming the tensor, on every rank.
+at::Tensor agree_on_values(const at::Tensor& values, const std::string& group_name, const std::string& what) {
+  const process_group comm(group_name, values.device());
+  if (comm.size() > 1) {
+    const at::Tensor host = values.detach().contiguous().cpu();
+    const std::int64_t mine = bytes_fingerprint(host.data_ptr(), host.nbytes());
+    const auto all = exchange_verdicts(comm, true, exchange_kind::values_check, what, mine, 0);
+    for (int r = 0; r < comm.size(); ++r)
+      TORCH_CHECK(all[static_cast<std::size_t>(r)].first == mine, "lce_torch: ", what,
+                  " differ across the ranks of group '", comm.name(), "': rank ", comm.rank(),
+                  "'s values are not rank ", r, "'s (every rank must pass the same)");
+  }
+  return at::zeros({}, values.options());
+}
+
 // A call's settings as text, for agree_verdicts (doubles to 17 digits: equal text, equal values).
 template <class... Parts>
 std::string settings_of(const Parts&... parts) {
@@ -567,6 +588,7 @@ void losses_via_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
 TORCH_LIBRARY_FRAGMENT(lce, m) {
   m.def("agree_on_group(str group_name, Device device, bool ok) -> ()", &lce_torch::agree_on_group);
   m.def("refuse_on_group(Tensor anchor, str group_name, str message, str error_type) -> Tensor", lce_torch::op_tags());
+  m.def("agree_on_values(Tensor values, str group_name, str what) -> Tensor", lce_torch::op_tags());
   m.def("next_token_targets(Tensor token_ids, Tensor? cu_seqlens=None, *, int ignore_index=-100) -> Tensor",
         lce_torch::op_tags());
   m.def("sequence_logprobs(Tensor logprobs, Tensor? targets=None, Tensor? cu_seqlens=None, Tensor? weights=None, *, "
@@ -598,7 +620,10 @@ TORCH_LIBRARY_FRAGMENT(lce, m) {
         lce_torch::op_tags());
 }
 
-TORCH_LIBRARY_IMPL(lce, CompositeExplicitAutograd, m) { m.impl("refuse_on_group", &lce_torch::refuse_on_group); }
+TORCH_LIBRARY_IMPL(lce, CompositeExplicitAutograd, m) {
+  m.impl("refuse_on_group", &lce_torch::refuse_on_group);
+  m.impl("agree_on_values", &lce_torch::agree_on_values);
+}
 
 TORCH_LIBRARY_IMPL(lce, CPU, m) {
   m.impl("next_token_targets", &lce_torch::next_token_targets);

@@ -37,6 +37,7 @@ enum class exchange_kind : std::int64_t {
   policy_gradient_loss,
   distill_loss,
   python_checks,  // lce.agree_on_group: a Python wrapper's own checks, before its operator
+  values_check,   // lce.agree_on_values: a tensor of settings (class weights) inside torch.compile
 };
 
 inline const char* exchange_kind_name(std::int64_t kind) {
@@ -51,15 +52,21 @@ inline const char* exchange_kind_name(std::int64_t kind) {
     case exchange_kind::policy_gradient_loss: return "lce.policy_gradient_loss";
     case exchange_kind::distill_loss: return "lce.distill_loss";
     case exchange_kind::python_checks: return "a Python wrapper's checks";
+    case exchange_kind::values_check: return "a comparison of a wrapper's settings tensor (lce.agree_on_values)";
   }
   return "an unknown lce_torch call";
 }
 
-// FNV-1a of the settings' text: equal text gives an equal value on every rank and build.
-inline std::int64_t settings_fingerprint(const std::string& settings) {
+// FNV-1a of bytes: equal bytes give an equal value on every rank and build.
+inline std::int64_t bytes_fingerprint(const void* data, std::size_t size) {
   std::uint64_t h = 14695981039346656037ull;
-  for (const unsigned char c : settings) h = (h ^ c) * 1099511628211ull;
+  const auto* bytes = static_cast<const unsigned char*>(data);
+  for (std::size_t i = 0; i < size; ++i) h = (h ^ bytes[i]) * 1099511628211ull;
   return static_cast<std::int64_t>(h >> 1);
+}
+
+inline std::int64_t settings_fingerprint(const std::string& settings) {
+  return bytes_fingerprint(settings.data(), settings.size());
 }
 
 struct verdict {

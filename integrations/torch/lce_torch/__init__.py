@@ -225,7 +225,8 @@ def _check_targets_weighted(targets, class_weight, ignore_index):
 
 def _class_weight_fingerprint(class_weight):
     # Its bytes' CRC: equal weights give equal text on every rank, whatever its threads.
-    # (Traced by torch.compile, its dtype and shape alone: a trace cannot read the values.)
+    # (Traced by torch.compile, its dtype and shape alone: a trace cannot read the values,
+    # which _class_weights_agreed compares when the graph runs.)
     if class_weight is None:
         return "none"
     described = f"{class_weight.dtype} {shape_list(class_weight.shape)}"
@@ -235,14 +236,32 @@ def _class_weight_fingerprint(class_weight):
     return f"{described} crc32 {zlib.crc32(data):08x}"
 
 
-def _token_weights(targets, class_weight, ignore_index, dtype):
+def _class_weights_agreed(class_weight, input, opts):
+    """Inside torch.compile with a group: lce.agree_on_values compares the class weights'
+    bytes across the ranks when the graph runs (every rank raises where they differ) and
+    returns a zero, which the caller adds to the token weights so that the graph keeps the
+    op. None elsewhere (eager mode compares their CRC in the op's caller_settings)."""
+    if opts.get("group_name") is None or not torch.compiler.is_compiling():
+        return None
+    if class_weight is None:
+        values, what = input.new_empty((0,)).detach(), "linear_cross_entropy's class weights (none)"
+    else:
+        values = class_weight.detach()
+        what = f"linear_cross_entropy's class weights ({class_weight.dtype} {shape_list(class_weight.shape)})"
+    return torch.ops.lce.agree_on_values(values, opts["group_name"], what)
+
+
+def _token_weights(targets, class_weight, ignore_index, dtype, agreed=None):
     valid = _counted(targets, ignore_index)
     if class_weight is None:
-        return valid.to(dtype)
-    # Clamped, so that a target without a class weight reaches lce's own check (which names it)
-    # where _check_targets_weighted cannot run (torch.compile), not an out-of-bounds gather.
-    safe = torch.where(valid, targets, torch.zeros_like(targets)).long().clamp(0, class_weight.shape[0] - 1)
-    return torch.where(valid, class_weight.to(dtype)[safe], torch.zeros((), dtype=dtype, device=targets.device))
+        w = valid.to(dtype)
+    else:
+        # Clamped, so that a target without a class weight reaches lce's own check (which names
+        # it) where _check_targets_weighted cannot run (torch.compile), not an out-of-bounds gather.
+        safe = torch.where(valid, targets, torch.zeros_like(targets)).long().clamp(0, class_weight.shape[0] - 1)
+        w = torch.where(valid, class_weight.to(dtype)[safe], torch.zeros((), dtype=dtype, device=targets.device))
+    # agreed: _class_weights_agreed's zero, added so that its op stays in the graph.
+    return w if agreed is None else w + agreed.to(dtype)
 
 
 _NO_CLASS_WEIGHT_GRADIENT = (
@@ -261,9 +280,9 @@ class _FusedCrossEntropy(torch.autograd.Function):
     eps / V times -sum_v log p_v = eps (lse - mean logit))."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, class_weight, reduction, label_smoothing, opts):
+    def forward(ctx, hidden, weight, bias, targets, class_weight, reduction, label_smoothing, opts, agreed):
         rdt = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-        w = _token_weights(targets, class_weight, opts["ignore_index"], rdt)
+        w = _token_weights(targets, class_weight, opts["ignore_index"], rdt, agreed)
         denom = w.sum() if reduction == "mean" else torch.ones((), dtype=rdt)
         c = w / denom
         if label_smoothing == 0.0:
@@ -312,7 +331,7 @@ class _FusedCrossEntropy(torch.autograd.Function):
             dw = (grad_weight * g).to(grad_weight.dtype)
             db = (grad_bias * g).to(grad_bias.dtype)
         return (dx if ctx.needs_input_grad[0] else None, dw if ctx.needs_input_grad[1] else None,
-                db if ctx.needs_input_grad[2] else None, None, None, None, None, None)
+                db if ctx.needs_input_grad[2] else None, None, None, None, None, None, None)
 
 
 def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weight=None, reduction="mean",
@@ -387,15 +406,16 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
         dtype = input.dtype if isinstance(input, torch.Tensor) else None
         return prepared.like(target, dtype) if reduction == "none" else prepared.like(None, dtype)
     label_smoothing, opts = prepared
+    agreed = _class_weights_agreed(weight, input, opts)
     needs_grad = torch.is_grad_enabled() and (input.requires_grad or linear_weight.requires_grad or
                                               (linear_bias is not None and linear_bias.requires_grad))
     if reduction != "none" and fused and needs_grad:
         return _FusedCrossEntropy.apply(input, linear_weight, linear_bias, target, weight, reduction, label_smoothing,
-                                        opts)
+                                        opts, agreed)
     smoothing = label_smoothing != 0.0
     logp, lse, _, mean = torch.ops.lce.logprobs(input, linear_weight, target, linear_bias, with_entropy=False,
                                                 with_mean_logit=smoothing, **opts)
-    w = _token_weights(target, weight, opts["ignore_index"], logp.dtype)
+    w = _token_weights(target, weight, opts["ignore_index"], logp.dtype, agreed)
     if smoothing:
         nll = w * ((label_smoothing - 1.0) * logp + label_smoothing * (lse - mean))
     else:

@@ -234,6 +234,11 @@ def _refuse_on_group_fake(anchor, group_name, message, error_type):
     return anchor.new_empty(())
 
 
+@torch.library.register_fake("lce::agree_on_values")
+def _agree_on_values_fake(values, group_name, what):
+    return values.new_empty(())
+
+
 @torch.library.register_fake("lce::logprobs")
 def _logprobs_fake(hidden, weight, targets, bias=None, *, with_entropy=False, with_mean_logit=False, **options):
     _check_fake(hidden, weight, targets, bias, options)

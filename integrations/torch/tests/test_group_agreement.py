@@ -67,6 +67,27 @@ def _cross_entropy_checks(rank, world, group):
             hh, ww, y, group=group, vocab_start=a, fused=fused, **kw), fullgraph=True, backend="aot_eager")
         _expect(rank, lambda: step(h.clone().requires_grad_(), w[a:b].clone().requires_grad_()).backward(), settings)
     torch._dynamo.reset()
+    # Class weights of one shape but other values on the last rank: a trace cannot read
+    # them, so the compiled graph compares their bytes when it runs (lce.agree_on_values).
+    differ = "linear_cross_entropy's class weights (torch.float32 [10]) differ across the ranks of group"
+    for fused, reduction in ((True, "mean"), (False, "mean"), (True, "sum"), (False, "none")):
+        step = torch.compile(lambda hh, ww, cw, fused=fused, reduction=reduction: lce_torch.linear_cross_entropy(
+            hh, ww, y, group=group, vocab_start=a, weight=cw, fused=fused, reduction=reduction).sum(),
+            fullgraph=True, backend="aot_eager")
+        _expect(rank, lambda: step(h.clone().requires_grad_(), w[a:b].clone().requires_grad_(),
+                                   torch.linspace(0.5, 1.5, V) + (rank == world - 1)).backward(), differ)
+        # The same values on every rank: one process's loss and gradients.
+        cw = torch.linspace(0.5, 1.5, V)
+        hh, ww = h.clone().requires_grad_(), w[a:b].clone().requires_grad_()
+        mine = step(hh, ww, cw)
+        mine.backward()
+        h1, w1 = h.clone().requires_grad_(), w.clone().requires_grad_()
+        one = torch.nn.functional.cross_entropy(h1 @ w1.T, y, weight=cw, reduction=reduction).sum()
+        one.backward()
+        torch.testing.assert_close(mine, one, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(hh.grad, h1.grad, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(ww.grad, w1.grad[a:b], atol=2e-5, rtol=2e-5)
+        torch._dynamo.reset()
     # A check that fails on rank 0 alone while it traces: put in the graph, so that every
     # rank raises when it runs (rank 0 its own error, of its own type), none waits.
     short = y[:-1] if rank == 0 else y
