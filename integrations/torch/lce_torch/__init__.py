@@ -33,7 +33,7 @@ import zlib
 import torch
 
 from . import _ops  # noqa: F401  (registers fake kernels and autograd)
-from ._ops import (Refused, check_shapes, checked_on_group, device_of, group_name_of, refuse_create_graph,
+from ._ops import (Refused, check_shapes, checked_on_group, device_of, group_name_of, number, refuse_create_graph,
                    refuse_forward_ad, require_tensors, result_dtype, shape_list)
 from ._losses import (
     DistillResult,
@@ -73,17 +73,17 @@ _DEFAULT_WORKSPACE = 256 << 20
 _DEFAULT_LOGITS_SHARE = 0.1  # lce::options::max_logits_share
 
 
-def _options(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
+def _options(fn, vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
              workspace_limit_bytes, group, max_logits_share=_DEFAULT_LOGITS_SHARE):
     return dict(
-        vocab_start=int(vocab_start),
-        ignore_index=int(ignore_index),
-        temperature=float(temperature),
-        softcap=float(softcap),
-        sequence_parallel=bool(sequence_parallel),
-        chunk_tokens=int(chunk_tokens),
-        workspace_limit_bytes=int(workspace_limit_bytes),
-        max_logits_share=float(max_logits_share),
+        vocab_start=number(fn, "vocab_start", vocab_start, int),
+        ignore_index=number(fn, "ignore_index", ignore_index, int),
+        temperature=number(fn, "temperature", temperature),
+        softcap=number(fn, "softcap", softcap),
+        sequence_parallel=number(fn, "sequence_parallel", sequence_parallel, bool),
+        chunk_tokens=number(fn, "chunk_tokens", chunk_tokens, int),
+        workspace_limit_bytes=number(fn, "workspace_limit_bytes", workspace_limit_bytes, int),
+        max_logits_share=number(fn, "max_logits_share", max_logits_share),
         group_name=group_name_of(group),
     )
 
@@ -94,7 +94,7 @@ def _head_call(fn, op, hidden, weight, ids_name, ids, bias, group, option_values
     def prepare():
         refuse_forward_ad(fn, hidden, weight, bias)
         require_tensors(fn, hidden=hidden, weight=weight, **{ids_name: ids}, bias=bias)
-        opts = _options(*option_values, group)
+        opts = _options(fn, *option_values, group)
         if group is not None:
             opts["caller_settings"] = fn  # so that a rank in another wrapper of the same op says so
             if torch.compiler.is_compiling():  # (eager: the kernel's own checks, in its exchange)
@@ -370,9 +370,9 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
         refuse_forward_ad("linear_cross_entropy", input, linear_weight, linear_bias)
         require_tensors("linear_cross_entropy", input=input, linear_weight=linear_weight, target=target,
                         linear_bias=linear_bias, weight=weight)
-        opts = _options(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
+        opts = _options("linear_cross_entropy", vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                         workspace_limit_bytes, group, max_logits_share)
-        smoothing = float(label_smoothing)
+        smoothing = number("linear_cross_entropy", "label_smoothing", label_smoothing)
         if not 0.0 <= smoothing <= 1.0:
             raise ValueError(f"lce_torch.linear_cross_entropy: label_smoothing must be between 0.0 and 1.0, got "
                              f"{smoothing}")

@@ -18,8 +18,8 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _C  # noqa: F401  (loads the library: registers torch.ops.lce.*)
-from ._ops import (Refused, checked_on_group, group_name_of, refuse_create_graph, refuse_forward_ad, require_tensors,
-                   shape_tuple)
+from ._ops import (Refused, checked_on_group, group_name_of, number, refuse_create_graph, refuse_forward_ad,
+                   require_tensors, shape_tuple)
 
 _ops = torch.ops.lce
 
@@ -269,8 +269,8 @@ def _weights(layout, weights):
     return layout.tokens(weights, "weights", torch.float32)
 
 
-def _normaliser(normaliser):
-    return None if normaliser is None else float(normaliser)
+def _normaliser(fn, normaliser):
+    return None if normaliser is None else number(fn, "normaliser", normaliser)
 
 
 def _text(fn, name, value):
@@ -329,8 +329,10 @@ def sft_loss(logprobs, targets=None, cu_seqlens=None, *, weights=None, ignore_in
         return (layout.tokens(logprobs, "logprobs"), layout.tokens(targets, "targets"), layout.cu_seqlens,
                 _weights(layout, weights), layout.tokens(lse, "lse", dtype),
                 layout.tokens(mean_logit, "mean_logit", dtype)), dict(
-                    ignore_index=int(ignore_index), reduction=_text("sft_loss", "reduction", reduction),
-                    label_smoothing=float(label_smoothing), normaliser=_normaliser(normaliser),
+                    ignore_index=number("sft_loss", "ignore_index", ignore_index, int),
+                    reduction=_text("sft_loss", "reduction", reduction),
+                    label_smoothing=number("sft_loss", "label_smoothing", label_smoothing),
+                    normaliser=_normaliser("sft_loss", normaliser),
                     group_name=group_name_of(group))
 
     prepared = checked_on_group(group, _EXCHANGE_DEVICE, prepare)
@@ -373,7 +375,8 @@ def dpo_loss(logprobs, cu_seqlens=None, *, ref_seq_logprobs=None, ref_logprobs=N
                                  f"{shape_tuple(logprobs.shape)}")
             ref_seq_logprobs, _ = _ops.sequence_logprobs(
                 layout.tokens(ref_logprobs, "ref_logprobs", logprobs.dtype).detach(), flat_targets,
-                layout.cu_seqlens, flat_weights, ignore_index=int(ignore_index), length_average=bool(length_average))
+                layout.cu_seqlens, flat_weights, ignore_index=number("dpo_loss", "ignore_index", ignore_index, int),
+                length_average=number("dpo_loss", "length_average", length_average, bool))
         pair_list = pairs
         if pair_list is not None:
             # A list (empty included: a rank may hold no pair) is of sequence indices.
@@ -385,8 +388,10 @@ def dpo_loss(logprobs, cu_seqlens=None, *, ref_seq_logprobs=None, ref_logprobs=N
             pair_list = pair_list.reshape(-1)
         return (layout.tokens(logprobs, "logprobs"), ref_seq_logprobs.to(torch.float64), flat_targets,
                 layout.cu_seqlens, flat_weights, pair_list), dict(
-                    ignore_index=int(ignore_index), beta=float(beta), sft_coef=float(sft_coef),
-                    length_average=bool(length_average), normaliser=_normaliser(normaliser),
+                    ignore_index=number("dpo_loss", "ignore_index", ignore_index, int),
+                    beta=number("dpo_loss", "beta", beta), sft_coef=number("dpo_loss", "sft_coef", sft_coef),
+                    length_average=number("dpo_loss", "length_average", length_average, bool),
+                    normaliser=_normaliser("dpo_loss", normaliser),
                     group_name=group_name_of(group))
 
     prepared = checked_on_group(group, _EXCHANGE_DEVICE, prepare)
@@ -428,11 +433,13 @@ def policy_gradient_loss(logprobs, advantages, cu_seqlens=None, *, old_logprobs=
                 layout.tokens(generation_logprobs, "generation_logprobs", dtype),
                 layout.tokens(entropy, "entropy", dtype), layout.tokens(targets, "targets"), layout.cu_seqlens,
                 _weights(layout, weights)), dict(
-                    ignore_index=int(ignore_index), reduction=_text(fn, "reduction", reduction),
-                    eps_low=float(eps_low), eps_high=float(eps_high), dual_clip=float(dual_clip),
-                    kl_coef=float(kl_coef), kl=_text(fn, "kl", kl), tis_cap=float(tis_cap),
-                    entropy_coef=float(entropy_coef), sequence_advantages=bool(sequence_advantages),
-                    normaliser=_normaliser(normaliser), group_name=group_name_of(group))
+                    ignore_index=number(fn, "ignore_index", ignore_index, int),
+                    reduction=_text(fn, "reduction", reduction), eps_low=number(fn, "eps_low", eps_low),
+                    eps_high=number(fn, "eps_high", eps_high), dual_clip=number(fn, "dual_clip", dual_clip),
+                    kl_coef=number(fn, "kl_coef", kl_coef), kl=_text(fn, "kl", kl),
+                    tis_cap=number(fn, "tis_cap", tis_cap), entropy_coef=number(fn, "entropy_coef", entropy_coef),
+                    sequence_advantages=number(fn, "sequence_advantages", sequence_advantages, bool),
+                    normaliser=_normaliser(fn, normaliser), group_name=group_name_of(group))
 
     prepared = checked_on_group(group, _EXCHANGE_DEVICE, prepare)
     if isinstance(prepared, Refused):
@@ -505,8 +512,9 @@ def distill_loss(student_logprobs, teacher_logprobs, ids, cu_seqlens=None, *, ta
         return (sets(student_logprobs, "student_logprobs"),
                 sets(teacher_logprobs, "teacher_logprobs", student_logprobs.dtype), id_sets,
                 tokens(targets, "targets"), cu_seqlens, tokens(weights, "weights", torch.float32)), dict(
-                    ignore_index=int(ignore_index), reduction=_text(fn, "reduction", reduction),
-                    tail=_text(fn, "tail", tail), normaliser=_normaliser(normaliser), group_name=group_name_of(group))
+                    ignore_index=number(fn, "ignore_index", ignore_index, int),
+                    reduction=_text(fn, "reduction", reduction), tail=_text(fn, "tail", tail),
+                    normaliser=_normaliser(fn, normaliser), group_name=group_name_of(group))
 
     prepared = checked_on_group(group, _EXCHANGE_DEVICE, prepare)
     if isinstance(prepared, Refused):

@@ -89,6 +89,17 @@ def require_tensors(fn, **arguments):
             raise TypeError(f"lce_torch.{fn}: {name} must be a torch.Tensor, got {type(value).__name__}")
 
 
+def number(fn, name, value, kind=float):
+    """``kind(value)`` for an option that is a number (float, int or bool). Inside
+    torch.compile a tensor there cannot be read while tracing: the trace would fail on this
+    rank alone (and with a group leave the others waiting), so it raises TypeError here,
+    which ``checked_on_group`` puts in the graph."""
+    if isinstance(value, torch.Tensor) and torch.compiler.is_compiling():
+        raise TypeError(f"lce_torch.{fn}: {name} must be a Python {kind.__name__} inside torch.compile, got a "
+                        f"Tensor (a trace cannot read its value)")
+    return kind(value)
+
+
 class Refused:
     """What ``checked_on_group`` returns in place of ``prepare()``'s value where, inside
     torch.compile, this rank's checks raised: ``token`` is the output of lce.refuse_on_group,

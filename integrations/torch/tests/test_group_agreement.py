@@ -95,7 +95,10 @@ def _cross_entropy_checks(rank, world, group):
             (y, dict(reduction="bogus" if rank == 0 else "mean"), "reduction must be 'mean', 'sum' or"),
             (y, dict(label_smoothing=1.5 if rank == 0 else 0.0), "label_smoothing must be between"),
             (short, {}, "targets must have hidden's leading shape"),
-            (y, dict(linear_bias=torch.zeros(b - a + (rank == 0))), "bias must be [V_local]")):
+            (y, dict(linear_bias=torch.zeros(b - a + (rank == 0))), "bias must be [V_local]"),
+            # A tensor where a number goes: a trace cannot read it.
+            (y, dict(temperature=torch.tensor(2.0) if rank == 0 else 2.0),
+             "temperature must be a Python float inside torch.compile, got a Tensor")):
         step = torch.compile(lambda hh, ww, yy=target, kw=mine: lce_torch.linear_cross_entropy(
             hh, ww, yy, group=group, vocab_start=a, **kw), fullgraph=True, backend="aot_eager")
         _expect(rank, lambda: step(h.clone().requires_grad_(), w[a:b].clone().requires_grad_()).backward(),
@@ -185,6 +188,11 @@ def _loss_checks(rank, world, group):
     step = torch.compile(lambda x: lce_torch.sft_loss(x.view(3, 4, 1) if rank == 0 else x, None, cu_seqlens=cu,
                                                       group=group).loss, fullgraph=True, backend="aot_eager")
     _expect(rank, lambda: step(lp), {0: "logprobs must be packed [N] (with cu_seqlens) or [B, T]", "others": rejected})
+    torch._dynamo.reset()
+    step = torch.compile(lambda x, beta: lce_torch.dpo_loss(x, cu, ref_logprobs=x - 0.1, beta=beta, group=group).loss,
+                         fullgraph=True, backend="aot_eager")
+    _expect(rank, lambda: step(lp, torch.tensor(0.1) if rank == 0 else 0.1),
+            {0: "beta must be a Python float inside torch.compile, got a Tensor", "others": rejected})
     torch._dynamo.reset()
 
     # Still usable, and right: the ranks' losses sum to the loss over every rank's tokens.
