@@ -26,6 +26,7 @@
 // targets, cu_seqlens and pairs are int32 or int64 (read as int64: one
 // instantiation of each loss per float dtype keeps the build short).
 
+#include "forward_ad.hpp"
 #include "op_tags.hpp"
 #include "process_group_comm.hpp"
 #include "verdicts.hpp"
@@ -323,6 +324,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> sft_loss(
     });
   };
   const auto prepare = [&] {
+    refuse_forward_ad({logprobs, lse, mean_logit, weights});
     opt.reduction = parse_reduction(reduction);
     opt.label_smoothing = label_smoothing;
     dtype = logprobs_dtype(logprobs);
@@ -376,6 +378,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
     });
   };
   const auto prepare = [&] {
+    refuse_forward_ad({logprobs, ref_seq_logprobs, weights});
     dtype = logprobs_dtype(logprobs);
     b = make_batch(targets, cu_seqlens, weights, ignore_index);
     logp = logprobs.contiguous();
@@ -436,6 +439,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> policy_gr
     });
   };
   const auto prepare = [&] {
+    refuse_forward_ad({logprobs, advantages, old_logprobs, ref_logprobs, generation_logprobs, entropy, weights});
     opt.reduction = parse_reduction(reduction);
     opt.kl = parse_kl(kl);
     opt.eps_low = eps_low;
@@ -515,6 +519,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> distill_l
     });
   };
   const auto prepare = [&] {
+    refuse_forward_ad({student_logprobs, teacher_logprobs, weights});
     opt.reduction = parse_reduction(reduction);
     opt.tail = parse_tail(tail);
     student = set_matrix(student_logprobs, "student_logprobs");
@@ -561,6 +566,7 @@ void losses_via_host(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
     c10::IValue& value = (*stack)[i];
     if (!value.isTensor() || !value.toTensor().defined()) continue;
     const at::Tensor t = value.toTensor();
+    refuse_forward_ad({t});  // (a copy to the host would drop its tangent)
     if (t.device().is_cpu()) continue;
     TORCH_CHECK(!device || *device == t.device(), "lce_torch: ", op.schema().name(),
                 ": the tensors must be on one device, got ", *device, " and ", t.device());

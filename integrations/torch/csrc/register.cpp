@@ -26,6 +26,7 @@
 // e.g. linear_cross_entropy's reduction; ignored without a group).
 
 #include "kernels.hpp"
+#include "forward_ad.hpp"
 #include "op_tags.hpp"
 #include "process_group_comm.hpp"
 #include "verdicts.hpp"
@@ -193,6 +194,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> logprobs_on(
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                                workspace_limit_bytes, max_logits_share, group_name, std::move(caller_settings));
   return agreed(exchange_kind::logprobs, c, hidden, [&] {
+    refuse_forward_ad({hidden, weight, bias});
     check_inputs<Device>(hidden, weight, targets, c);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
       return kernels<TorchT, Device>::forward(hidden, weight, targets, bias, with_entropy, with_mean_logit, c);
@@ -211,6 +213,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> logprobs_backward_on(
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                                workspace_limit_bytes, max_logits_share, group_name, std::move(caller_settings));
   return agreed(exchange_kind::logprobs_backward, c, hidden, [&] {
+    refuse_forward_ad({grad_logprobs, grad_entropy, hidden, weight, lse, grad_lse, grad_mean_logit, bias});
     check_inputs<Device>(hidden, weight, targets, c);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
       return kernels<TorchT, Device>::backward(grad_logprobs, grad_entropy, hidden, weight, targets, lse, grad_lse,
@@ -229,6 +232,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                                workspace_limit_bytes, max_logits_share, group_name, std::move(caller_settings));
   return agreed(exchange_kind::logprobs_forward_backward, c, hidden, [&] {
+    refuse_forward_ad({hidden, weight, grad_logprobs, grad_lse, grad_mean_logit, bias});
     check_inputs<Device>(hidden, weight, targets, c);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
       return kernels<TorchT, Device>::forward_backward(hidden, weight, targets, grad_logprobs, grad_lse,
@@ -247,6 +251,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> target_set_logprobs_o
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                                workspace_limit_bytes, max_logits_share, group_name, std::move(caller_settings));
   return agreed(exchange_kind::target_set_logprobs, c, hidden, [&] {
+    refuse_forward_ad({hidden, weight, bias});
     check_inputs<Device>(hidden, weight, ids, c, targets_kind::sets_of_k);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
       return kernels<TorchT, Device>::set_forward(hidden, weight, ids, bias, with_entropy, with_mean_logit, c);
@@ -265,6 +270,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> target_set_logprobs_backward_on(
   const config c = make_config(vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                                workspace_limit_bytes, max_logits_share, group_name, std::move(caller_settings));
   return agreed(exchange_kind::target_set_logprobs_backward, c, hidden, [&] {
+    refuse_forward_ad({grad_logprobs, grad_entropy, hidden, weight, lse, grad_lse, grad_mean_logit, bias});
     check_inputs<Device>(hidden, weight, ids, c, targets_kind::sets_of_k);
     return dispatch<Device>(hidden.scalar_type(), [&]<class TorchT>() {
       return kernels<TorchT, Device>::set_backward(grad_logprobs, grad_entropy, hidden, weight, ids, lse, grad_lse,

@@ -71,6 +71,30 @@ def test_forward_mode_ad_raises():
         logp, targets, cu = _packed_logprobs(requires_grad=False)
         with pytest.raises(NotImplementedError, match=match):
             lce_torch.sft_loss(fwAD.make_dual(logp, torch.ones_like(logp)), targets, cu)
+    # The ops called directly refuse a dual tensor too (torch.func.jvp unwraps its tensors
+    # before the kernel: only the Python functions above can refuse it).
+    n = h.shape[0]
+    with fwAD.dual_level():
+        dual = fwAD.make_dual(h, tangent)
+        for call in (lambda: torch.ops.lce.logprobs(dual, w, y),
+                     lambda: torch.ops.lce.logprobs(h, fwAD.make_dual(w, torch.ones_like(w)), y),
+                     lambda: torch.ops.lce.target_set_logprobs(dual, w, y[:, None]),
+                     lambda: torch.ops.lce.logprobs_forward_backward(dual, w, y, torch.ones(n, dtype=h.dtype)),
+                     lambda: torch.ops.lce.logprobs_forward_backward(
+                         h, w, y, fwAD.make_dual(torch.ones(n, dtype=h.dtype), torch.ones(n, dtype=h.dtype)))):
+            with pytest.raises(NotImplementedError, match=match):
+                call()
+        lse = torch.ops.lce.logprobs(h, w, y)[1]
+        with pytest.raises(NotImplementedError, match=match):
+            torch.ops.lce.logprobs_backward(fwAD.make_dual(torch.ones(n, dtype=h.dtype), torch.ones(n, dtype=h.dtype)),
+                                            None, h, w, y, lse)
+        logp, targets, cu = _packed_logprobs(requires_grad=False)
+        dual_logp = fwAD.make_dual(logp, torch.ones_like(logp))
+        with pytest.raises(NotImplementedError, match=match):
+            torch.ops.lce.sft_loss(dual_logp, targets, cu)
+        with pytest.raises(NotImplementedError, match=match):
+            torch.ops.lce.policy_gradient_loss(logp, fwAD.make_dual(torch.ones_like(logp), torch.ones_like(logp)),
+                                               targets=targets, cu_seqlens=cu)
     # Reverse mode, and vmap, as before.
     jac = torch.autograd.functional.jacobian(lambda x: lce_torch.linear_logprobs(x, w, y), h)
     want = torch.autograd.functional.jacobian(
