@@ -269,6 +269,23 @@ def _weights(layout, weights):
     return layout.tokens(weights, "weights", torch.float32)
 
 
+def _refused_layout(per_token, cu_seqlens, batched_dim=2):
+    """(sequences, loss dtype) of a refused loss's stand-ins, where its arguments tell them:
+    cu_seqlens [S + 1], or the rows of a batched [B, T] (``batched_dim`` dimensions) input,
+    or one sequence of a packed one; None where they do not."""
+    sequences = None
+    if isinstance(cu_seqlens, torch.Tensor):
+        if cu_seqlens.dim() == 1 and cu_seqlens.shape[0] > 0:
+            sequences = cu_seqlens.shape[0] - 1
+    elif isinstance(per_token, torch.Tensor) and cu_seqlens is None:
+        if per_token.dim() == batched_dim:
+            sequences = per_token.shape[0]
+        elif per_token.dim() == batched_dim - 1:
+            sequences = 1
+    dtype = per_token.dtype if isinstance(per_token, torch.Tensor) and per_token.is_floating_point() else None
+    return dict(sequences=sequences, loss_dtype=dtype)
+
+
 def _normaliser(fn, normaliser):
     return None if normaliser is None else number(fn, "normaliser", normaliser)
 
@@ -337,7 +354,7 @@ def sft_loss(logprobs, targets=None, cu_seqlens=None, *, weights=None, ignore_in
 
     prepared = checked_on_group(group, _EXCHANGE_DEVICE, prepare)
     if isinstance(prepared, Refused):
-        return prepared.filled(SFTResult)
+        return prepared.filled(SFTResult, **_refused_layout(logprobs, cu_seqlens))
     args, kwargs = prepared
     out = _ops.sft_loss(*args, **kwargs)
     loss, metrics = out[0], out[4]
@@ -396,7 +413,7 @@ def dpo_loss(logprobs, cu_seqlens=None, *, ref_seq_logprobs=None, ref_logprobs=N
 
     prepared = checked_on_group(group, _EXCHANGE_DEVICE, prepare)
     if isinstance(prepared, Refused):
-        return prepared.filled(DPOResult)
+        return prepared.filled(DPOResult, **_refused_layout(logprobs, cu_seqlens))
     args, kwargs = prepared
     loss, _, seq_logprobs, _, seq_tokens, metrics = _ops.dpo_loss(*args, **kwargs)
     return DPOResult(loss, metrics[0], metrics[1], metrics[2].to(torch.int64), metrics[3], metrics[4], metrics[5],
@@ -443,7 +460,7 @@ def policy_gradient_loss(logprobs, advantages, cu_seqlens=None, *, old_logprobs=
 
     prepared = checked_on_group(group, _EXCHANGE_DEVICE, prepare)
     if isinstance(prepared, Refused):
-        return prepared.filled(PolicyGradientResult)
+        return prepared.filled(PolicyGradientResult, **_refused_layout(logprobs, cu_seqlens))
     args, kwargs = prepared
     loss, _, _, _, m = _ops.policy_gradient_loss(*args, **kwargs)
     return PolicyGradientResult(loss, m[0], m[1], m[2], m[3].to(torch.int64), m[4], m[5], m[6], m[7], m[8], m[9],
@@ -518,7 +535,7 @@ def distill_loss(student_logprobs, teacher_logprobs, ids, cu_seqlens=None, *, ta
 
     prepared = checked_on_group(group, _EXCHANGE_DEVICE, prepare)
     if isinstance(prepared, Refused):
-        return prepared.filled(DistillResult)
+        return prepared.filled(DistillResult, **_refused_layout(student_logprobs, cu_seqlens, 3))
     args, kwargs = prepared
     loss, _, seq_kl, seq_tokens, m = _ops.distill_loss(*args, **kwargs)
     return DistillResult(loss, m[0], m[1], m[2], m[3].to(torch.int64), m[4], seq_kl, seq_tokens)

@@ -115,9 +115,19 @@ class Refused:
         shaped = self.token.expand(tensor.shape) if isinstance(tensor, torch.Tensor) else self.token
         return shaped if dtype is None else shaped.to(dtype)
 
-    def filled(self, result_type):
-        """A loss's NamedTuple result with ``token`` in every field."""
-        return result_type(*(self.token,) * len(result_type._fields))
+    _COUNT_FIELDS = frozenset({"tokens", "sequences", "pairs", "seq_tokens"})
+
+    def filled(self, result_type, sequences=None, loss_dtype=None):
+        """A loss's NamedTuple result of ``token``s typed as the loss's fields: ``loss`` in
+        ``loss_dtype``, counts int64, the rest float64; the per-sequence fields (``seq_*``)
+        of ``sequences`` elements where the refused call's layout tells how many."""
+        def field(name):
+            if name == "loss":
+                return self.token if loss_dtype is None else self.token.to(loss_dtype)
+            value = self.token.to(torch.int64 if name in self._COUNT_FIELDS else torch.float64)
+            return value.expand(sequences) if name.startswith("seq_") and sequences is not None else value
+
+        return result_type(*(field(name) for name in result_type._fields))
 
 
 def checked_on_group(group, device, prepare, anchor=None):

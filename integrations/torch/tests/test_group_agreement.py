@@ -189,6 +189,15 @@ def _loss_checks(rank, world, group):
                                                       group=group).loss, fullgraph=True, backend="aot_eager")
     _expect(rank, lambda: step(lp), {0: "logprobs must be packed [N] (with cu_seqlens) or [B, T]", "others": rejected})
     torch._dynamo.reset()
+    # A refused loss's per-sequence fields have the layout's sequences, so code using them traces.
+    def dpo_step(x):
+        ref = x[:-1] if rank == 0 else x
+        r = lce_torch.dpo_loss(x, cu, ref_logprobs=ref - 0.1, group=group)
+        return r.loss + r.seq_logprobs[3] + r.seq_tokens.sum() + r.pairs
+
+    step = torch.compile(dpo_step, fullgraph=True, backend="aot_eager")
+    _expect(rank, lambda: step(lp), {0: "ref_logprobs has shape (11,), logprobs (12,)", "others": rejected})
+    torch._dynamo.reset()
     step = torch.compile(lambda x, beta: lce_torch.dpo_loss(x, cu, ref_logprobs=x - 0.1, beta=beta, group=group).loss,
                          fullgraph=True, backend="aot_eager")
     _expect(rank, lambda: step(lp, torch.tensor(0.1) if rank == 0 else 0.1),
