@@ -69,6 +69,10 @@ def _cross_entropy_checks(rank, world, group):
     torch._dynamo.reset()
     # Class weights of one shape but other values on the last rank: a trace cannot read
     # them, so the compiled graph compares their bytes when it runs (lce.agree_on_values).
+    from lce_torch._ops import group_name_of
+
+    torch.library.opcheck(torch.ops.lce.agree_on_values.default,
+                          (torch.linspace(0.5, 1.5, V), group_name_of(group), "the test's values"))
     differ = "linear_cross_entropy's class weights (torch.float32 [10]) differ across the ranks of group"
     for fused, reduction in ((True, "mean"), (False, "mean"), (True, "sum"), (False, "none")):
         step = torch.compile(lambda hh, ww, cw, fused=fused, reduction=reduction: lce_torch.linear_cross_entropy(
