@@ -11,7 +11,8 @@ default, and on the CPU at most 512 tokens a chunk, which run as fast as more; a
 call longer than that takes at most an eighth of its tokens a chunk, down to 192).
 Tensor parallel (vocabulary-sharded weight): pass ``group=`` (a
 torch.distributed ProcessGroup: gloo on the CPU, NCCL or gloo on CUDA) and this rank's
-``vocab_start``.
+``vocab_start``, or a weight that is a DTensor sharded by rows (``Shard(0)``, as
+PyTorch's ``ColwiseParallel`` holds an LM head), which carries both.
 
 Training losses over packed sequences (lce's include/lce/loss, one call each, on the
 log-probs above; autograd continues into lce's backward):
@@ -33,6 +34,7 @@ import zlib
 import torch
 
 from . import _ops  # noqa: F401  (registers fake kernels and autograd)
+from ._dtensor import local_class_weight, local_head
 from ._ops import (Refused, check_shapes, checked_on_group, device_of, group_name_of, number, refuse_create_graph,
                    refuse_forward_ad, require_tensors, result_dtype, shape_list)
 from ._losses import (
@@ -148,6 +150,8 @@ def linear_logprobs(hidden, weight, targets, *, bias=None, vocab_start=0, ignore
     ``sequence_parallel``: its own rows of hidden, all targets); the hidden gradient
     is summed over the group (the same on every rank).
     """
+    hidden, weight, bias, group, vocab_start, sequence_parallel = local_head(
+        "linear_logprobs", hidden, weight, bias, group, vocab_start, sequence_parallel)
     return _head_call("linear_logprobs", torch.ops.lce.logprobs, hidden, weight, "targets", targets, bias, group,
                       (vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                        workspace_limit_bytes), with_entropy, return_lse, return_mean_logit)
@@ -174,6 +178,8 @@ def linear_target_set_logprobs(hidden, weight, ids, *, bias=None, vocab_start=0,
     (each rank its shard of the vocabulary; every rank the same ids).
     Contiguous ids and hidden are used in place (no copy).
     """
+    hidden, weight, bias, group, vocab_start, sequence_parallel = local_head(
+        "linear_target_set_logprobs", hidden, weight, bias, group, vocab_start, sequence_parallel)
     return _head_call("linear_target_set_logprobs", torch.ops.lce.target_set_logprobs, hidden, weight, "ids", ids,
                       bias, group, (vocab_start, ignore_index, temperature, softcap, sequence_parallel,
                                     chunk_tokens, workspace_limit_bytes), with_entropy, return_lse, return_mean_logit)
@@ -365,6 +371,9 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
     """
     if ignore_index is None:
         ignore_index = -100
+    input, linear_weight, linear_bias, group, vocab_start, sequence_parallel = local_head(
+        "linear_cross_entropy", input, linear_weight, linear_bias, group, vocab_start, sequence_parallel)
+    weight = local_class_weight("linear_cross_entropy", weight)
 
     def check():
         refuse_forward_ad("linear_cross_entropy", input, linear_weight, linear_bias)
