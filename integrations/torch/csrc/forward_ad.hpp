@@ -18,9 +18,11 @@ namespace lce_torch {
 // back without a tangent (a Jacobian of zeros), so a call given one raises instead.
 // (torch.func.jvp and jacfwd unwrap their tensors before the kernel, which cannot see
 // their tangents: the Python wrappers refuse those.)
-inline bool has_tangent(const at::Tensor& t) {
+inline bool has_tangent(const at::TensorBase& t) {
   const torch::autograd::AutogradMeta* meta = torch::autograd::impl::get_autograd_meta(t);
-  return meta != nullptr && meta->fw_grad_ != nullptr && !meta->fw_grad_->empty();
+  if (meta != nullptr && meta->fw_grad_ != nullptr && !meta->fw_grad_->empty()) return true;
+  // A view takes its base's tangent lazily, when it is first read: its own may be empty yet.
+  return t.is_view() && has_tangent(t._base());
 }
 
 inline void refuse_forward_ad(std::initializer_list<std::optional<at::Tensor>> tensors) {

@@ -274,6 +274,7 @@ std::tuple<at::Tensor, at::Tensor> sequence_logprobs(const at::Tensor& logprobs,
                                                      const std::optional<at::Tensor>& cu_seqlens,
                                                      const std::optional<at::Tensor>& weights,
                                                      std::int64_t ignore_index, bool length_average) {
+  refuse_forward_ad({logprobs, weights});
   const auto dtype = logprobs_dtype(logprobs);
   const batch_tensors b = make_batch(targets, cu_seqlens, weights, ignore_index);
   const at::Tensor logp = logprobs.contiguous();

@@ -97,21 +97,27 @@ def _head_call(fn, op, hidden, weight, ids_name, ids, bias, group, option_values
         refuse_forward_ad(fn, hidden, weight, bias)
         require_tensors(fn, hidden=hidden, weight=weight, **{ids_name: ids}, bias=bias)
         opts = _options(fn, *option_values, group)
+        flags = tuple(number(fn, name, value, bool) for name, value in (
+            ("with_entropy", with_entropy), ("return_lse", return_lse), ("return_mean_logit", return_mean_logit)))
         if group is not None:
             opts["caller_settings"] = fn  # so that a rank in another wrapper of the same op says so
             if torch.compiler.is_compiling():  # (eager: the kernel's own checks, in its exchange)
                 check_shapes(hidden, weight, ids, bias, opts["sequence_parallel"], sets=ids_name == "ids")
-        return opts
+        return opts, flags
 
-    opts = checked_on_group(group, device_of(hidden, weight), prepare, anchor=hidden)
-    if isinstance(opts, Refused):
-        # Shaped and typed as the op's results, so that the caller's code after it traces.
+    prepared = checked_on_group(group, device_of(hidden, weight), prepare, anchor=hidden)
+    if isinstance(prepared, Refused):
+        # Shaped and typed as the op's results, so that the caller's code after it traces
+        # (as many as the flags ask for; a flag that is a tensor, itself refused, as False).
         dtype = result_dtype(hidden.dtype) if isinstance(hidden, torch.Tensor) else torch.float32
-        logp = opts.like(ids, dtype)
+        logp = prepared.like(ids, dtype)
         sets = ids_name == "ids" and isinstance(ids, torch.Tensor) and ids.dim() >= 1
-        per_token = opts.like(ids[..., 0], dtype) if sets else logp
-        out = (logp,) + (per_token,) * (int(bool(with_entropy)) + int(bool(return_lse)) + int(bool(return_mean_logit)))
+        per_token = prepared.like(ids[..., 0], dtype) if sets else logp
+        flags = [not isinstance(flag, torch.Tensor) and bool(flag) for flag in (with_entropy, return_lse,
+                                                                               return_mean_logit)]
+        out = (logp,) + (per_token,) * sum(flags)
         return out[0] if len(out) == 1 else out
+    opts, (with_entropy, return_lse, return_mean_logit) = prepared
     logp, lse, ent, mean = op(hidden, weight, ids, bias, with_entropy=with_entropy,
                               with_mean_logit=return_mean_logit, **opts)
     out = (logp,)
@@ -379,9 +385,10 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
         refuse_forward_ad("linear_cross_entropy", input, linear_weight, linear_bias)
         require_tensors("linear_cross_entropy", input=input, linear_weight=linear_weight, target=target,
                         linear_bias=linear_bias, weight=weight)
-        opts = _options("linear_cross_entropy", vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
-                        workspace_limit_bytes, group, max_logits_share)
+        opts = _options("linear_cross_entropy", vocab_start, ignore_index, temperature, softcap, sequence_parallel,
+                        chunk_tokens, workspace_limit_bytes, group, max_logits_share)
         smoothing = number("linear_cross_entropy", "label_smoothing", label_smoothing)
+        one_sweep = number("linear_cross_entropy", "fused", fused, bool)
         if not 0.0 <= smoothing <= 1.0:
             raise ValueError(f"lce_torch.linear_cross_entropy: label_smoothing must be between 0.0 and 1.0, got "
                              f"{smoothing}")
@@ -399,7 +406,7 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
         if group is not None and torch.compiler.is_compiling():
             check_shapes(input, linear_weight, target, linear_bias, opts["sequence_parallel"])
             # torch.compile traces the backward too, whose refusal would be this rank's alone.
-            if (weight is not None and weight.requires_grad and fused and reduction != "none" and
+            if (weight is not None and weight.requires_grad and one_sweep and reduction != "none" and
                     torch.is_grad_enabled()):
                 raise NotImplementedError(_NO_CLASS_WEIGHT_GRADIENT)
         if group is not None:
@@ -407,14 +414,14 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
             # compares the shapes, options and targets): how the loss is made from the
             # log-probs. The op's exchange compares it, inside torch.compile too.
             opts["caller_settings"] = (f"linear_cross_entropy(reduction={reduction!r}, label_smoothing={smoothing!r}, "
-                                       f"fused={bool(fused)}, weight {_class_weight_fingerprint(weight)})")
-        return smoothing, opts
+                                       f"fused={one_sweep}, weight {_class_weight_fingerprint(weight)})")
+        return smoothing, opts, one_sweep
 
     prepared = checked_on_group(group, device_of(input, linear_weight), check, anchor=input)
     if isinstance(prepared, Refused):
         dtype = input.dtype if isinstance(input, torch.Tensor) else None
         return prepared.like(target, dtype) if reduction == "none" else prepared.like(None, dtype)
-    label_smoothing, opts = prepared
+    label_smoothing, opts, fused = prepared
     agreed = _class_weights_agreed(weight, input, opts)
     needs_grad = torch.is_grad_enabled() and (input.requires_grad or linear_weight.requires_grad or
                                               (linear_bias is not None and linear_bias.requires_grad))

@@ -270,13 +270,14 @@ def _weights(layout, weights):
 
 
 def _refused_layout(per_token, cu_seqlens, batched_dim=2):
-    """(sequences, loss dtype) of a refused loss's stand-ins, where its arguments tell them:
-    cu_seqlens [S + 1], or the rows of a batched [B, T] (``batched_dim`` dimensions) input,
-    or one sequence of a packed one; None where they do not."""
+    """(sequences, loss dtype) of a refused loss's stand-ins, where its arguments tell them,
+    as the op reads them: cu_seqlens [S + 1] (an empty one: one sequence), or the rows of a
+    batched [B, T] (``batched_dim`` dimensions) input, or one sequence of a packed one; None
+    where they do not."""
     sequences = None
     if isinstance(cu_seqlens, torch.Tensor):
-        if cu_seqlens.dim() == 1 and cu_seqlens.shape[0] > 0:
-            sequences = cu_seqlens.shape[0] - 1
+        if cu_seqlens.dim() == 1:
+            sequences = _sequence_count(cu_seqlens)
     elif isinstance(per_token, torch.Tensor) and cu_seqlens is None:
         if per_token.dim() == batched_dim:
             sequences = per_token.shape[0]
@@ -442,9 +443,10 @@ def policy_gradient_loss(logprobs, advantages, cu_seqlens=None, *, old_logprobs=
         require_tensors(fn, logprobs=logprobs, advantages=advantages, cu_seqlens=cu_seqlens,
                         old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                         generation_logprobs=generation_logprobs, entropy=entropy, targets=targets, weights=weights)
+        per_sequence = number(fn, "sequence_advantages", sequence_advantages, bool)
         layout = _Layout(fn, logprobs, cu_seqlens)
         dtype = logprobs.dtype
-        adv = advantages.to(dtype) if sequence_advantages else layout.tokens(advantages, "advantages", dtype)
+        adv = advantages.to(dtype) if per_sequence else layout.tokens(advantages, "advantages", dtype)
         return (layout.tokens(logprobs, "logprobs"), adv, layout.tokens(old_logprobs, "old_logprobs", dtype),
                 layout.tokens(ref_logprobs, "ref_logprobs", dtype),
                 layout.tokens(generation_logprobs, "generation_logprobs", dtype),
@@ -455,7 +457,7 @@ def policy_gradient_loss(logprobs, advantages, cu_seqlens=None, *, old_logprobs=
                     eps_high=number(fn, "eps_high", eps_high), dual_clip=number(fn, "dual_clip", dual_clip),
                     kl_coef=number(fn, "kl_coef", kl_coef), kl=_text(fn, "kl", kl),
                     tis_cap=number(fn, "tis_cap", tis_cap), entropy_coef=number(fn, "entropy_coef", entropy_coef),
-                    sequence_advantages=number(fn, "sequence_advantages", sequence_advantages, bool),
+                    sequence_advantages=per_sequence,
                     normaliser=_normaliser(fn, normaliser), group_name=group_name_of(group))
 
     prepared = checked_on_group(group, _EXCHANGE_DEVICE, prepare)

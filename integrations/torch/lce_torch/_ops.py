@@ -122,10 +122,13 @@ class Refused:
         ``loss_dtype``, counts int64, the rest float64; the per-sequence fields (``seq_*``)
         of ``sequences`` elements where the refused call's layout tells how many."""
         def field(name):
+            # Each a tensor of its own (the caller may write into one), none a view.
             if name == "loss":
-                return self.token if loss_dtype is None else self.token.to(loss_dtype)
-            value = self.token.to(torch.int64 if name in self._COUNT_FIELDS else torch.float64)
-            return value.expand(sequences) if name.startswith("seq_") and sequences is not None else value
+                dtype = self.token.dtype if loss_dtype is None else loss_dtype
+            else:
+                dtype = torch.int64 if name in self._COUNT_FIELDS else torch.float64
+            value = self.token.to(dtype, copy=True)
+            return value.expand(sequences).contiguous() if name.startswith("seq_") and sequences is not None else value
 
         return result_type(*(field(name) for name in result_type._fields))
 

@@ -84,6 +84,13 @@ def test_forward_mode_ad_raises():
                          h, w, y, fwAD.make_dual(torch.ones(n, dtype=h.dtype), torch.ones(n, dtype=h.dtype)))):
             with pytest.raises(NotImplementedError, match=match):
                 call()
+        # A view that takes its base's tangent lazily (made before the base got one).
+        base = torch.zeros_like(h)
+        view = base[:]
+        base.copy_(dual)
+        with pytest.raises(NotImplementedError, match=match):
+            torch.ops.lce.logprobs(view, w, y)
+        torch.ops.lce.logprobs(dual.detach(), w, y)  # detached: no tangent, no error
         lse = torch.ops.lce.logprobs(h, w, y)[1]
         with pytest.raises(NotImplementedError, match=match):
             torch.ops.lce.logprobs_backward(fwAD.make_dual(torch.ones(n, dtype=h.dtype), torch.ones(n, dtype=h.dtype)),
@@ -92,6 +99,8 @@ def test_forward_mode_ad_raises():
         dual_logp = fwAD.make_dual(logp, torch.ones_like(logp))
         with pytest.raises(NotImplementedError, match=match):
             torch.ops.lce.sft_loss(dual_logp, targets, cu)
+        with pytest.raises(NotImplementedError, match=match):
+            torch.ops.lce.sequence_logprobs(dual_logp, targets, cu)
         with pytest.raises(NotImplementedError, match=match):
             torch.ops.lce.policy_gradient_loss(logp, fwAD.make_dual(torch.ones_like(logp), torch.ones_like(logp)),
                                                targets=targets, cu_seqlens=cu)

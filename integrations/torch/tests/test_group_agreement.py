@@ -102,7 +102,8 @@ def _cross_entropy_checks(rank, world, group):
             (y, dict(linear_bias=torch.zeros(b - a + (rank == 0))), "bias must be [V_local]"),
             # A tensor where a number goes: a trace cannot read it.
             (y, dict(temperature=torch.tensor(2.0) if rank == 0 else 2.0),
-             "temperature must be a Python float inside torch.compile, got a Tensor")):
+             "temperature must be a Python float inside torch.compile, got a Tensor"),
+            (y, dict(fused=torch.tensor(True) if rank == 0 else True), "fused must be a Python bool inside")):
         step = torch.compile(lambda hh, ww, yy=target, kw=mine: lce_torch.linear_cross_entropy(
             hh, ww, yy, group=group, vocab_start=a, **kw), fullgraph=True, backend="aot_eager")
         _expect(rank, lambda: step(h.clone().requires_grad_(), w[a:b].clone().requires_grad_()).backward(),
@@ -112,6 +113,11 @@ def _cross_entropy_checks(rank, world, group):
         hh, ww.double() if rank == 0 else ww, y, group=group, vocab_start=a, with_entropy=True),
         fullgraph=True, backend="aot_eager")
     _expect(rank, lambda: step(h, w[a:b]), {0: "must have the same dtype", "others": rejected})
+    step = torch.compile(lambda hh, ww, flag: lce_torch.linear_logprobs(
+        hh, ww, y, group=group, vocab_start=a, with_entropy=flag), fullgraph=True, backend="aot_eager")
+    _expect(rank, lambda: step(h, w[a:b], torch.tensor(True) if rank == 0 else True),
+            {0: "with_entropy must be a Python bool inside", "others": rejected})
+    torch._dynamo.reset()
     # Dynamic shapes (symbolic sizes in the message), and a refused call's results used after it.
     step = torch.compile(lambda hh, ww, yy: lce_torch.linear_logprobs(hh, ww, yy, group=group, vocab_start=a),
                          fullgraph=True, backend="aot_eager", dynamic=True)
@@ -201,6 +207,21 @@ def _loss_checks(rank, world, group):
 
     step = torch.compile(dpo_step, fullgraph=True, backend="aot_eager")
     _expect(rank, lambda: step(lp), {0: "ref_logprobs has shape (11,), logprobs (12,)", "others": rejected})
+    torch._dynamo.reset()
+    # Written into, and with an empty cu_seqlens (one sequence, as lce reads it).
+    def kd_step(x, cu_kd):
+        r = lce_torch.distill_loss(x, x, ids, cu_kd, tail=None if rank == 0 else "bucket", group=group)
+        return r.loss + r.seq_kl.copy_(x[: r.seq_kl.shape[0], 0]).sum() + r.seq_kl[0] + r.seq_tokens[0]
+
+    for cu_kd in (cu, torch.zeros(0, dtype=torch.int64)):
+        step = torch.compile(kd_step, fullgraph=True, backend="aot_eager")
+        _expect(rank, lambda: step(sets.clone(), cu_kd), {0: "tail must be a str", "others": rejected})
+        torch._dynamo.reset()
+    step = torch.compile(lambda x, per_sequence: lce_torch.policy_gradient_loss(
+        x, torch.ones(12, dtype=x.dtype), cu, sequence_advantages=per_sequence, group=group).loss,
+        fullgraph=True, backend="aot_eager")
+    _expect(rank, lambda: step(lp, torch.tensor(False) if rank == 0 else False),
+            {0: "sequence_advantages must be a Python bool inside", "others": rejected})
     torch._dynamo.reset()
     step = torch.compile(lambda x, beta: lce_torch.dpo_loss(x, cu, ref_logprobs=x - 0.1, beta=beta, group=group).loss,
                          fullgraph=True, backend="aot_eager")
