@@ -38,13 +38,19 @@ def _vocabulary_block(rows, ranks, rank):
     return start, min(start + block, rows) - start
 
 
+def _no_check():
+    pass
+
+
 def local_head(fn, hidden, weight, bias, group, vocab_start, sequence_parallel):
-    """(hidden, weight, bias, group, vocab_start, sequence_parallel) as lce takes them: the
-    arguments as they are where none of hidden, weight and bias is a DTensor; otherwise the
-    local tensors, with the weight's mesh as ``group`` and its shard's first row as
-    ``vocab_start``."""
+    """(hidden, weight, bias, group, vocab_start, sequence_parallel, check_shard) as lce takes
+    them: the arguments as they are where none of hidden, weight and bias is a DTensor;
+    otherwise the local tensors, with the weight's mesh as ``group`` and its shard's first
+    row as ``vocab_start``. ``check_shard()`` raises where this rank's shard is not the one
+    ``vocab_start`` assumes, which only this rank can see: the caller runs it among the
+    checks the group's ranks share, so that every rank raises."""
     if not (is_dtensor(hidden) or is_dtensor(weight) or is_dtensor(bias)):
-        return hidden, weight, bias, group, vocab_start, sequence_parallel
+        return hidden, weight, bias, group, vocab_start, sequence_parallel, _no_check
     if not is_dtensor(weight):
         raise TypeError(f"lce_torch.{fn}: hidden or bias is a DTensor but weight is not: pass the LM head's weight "
                         f"as a DTensor too, or local tensors with group= and vocab_start=")
@@ -68,10 +74,14 @@ def local_head(fn, hidden, weight, bias, group, vocab_start, sequence_parallel):
             f"lce_torch.{fn}: weight's placement must be Shard(0) (each rank a block of the vocabulary) or "
             f"Replicate(), got {placement}")
     local_weight = weight.to_local()
-    if local_weight.shape[0] != local_rows:  # a DTensor built by hand (from_local) with other blocks
-        raise ValueError(f"lce_torch.{fn}: weight's local shard has {local_weight.shape[0]} rows where torch.chunk's "
-                         f"split of {weight.shape[0]} rows over {mesh.size()} ranks gives {local_rows}: pass "
-                         f"weight.to_local() with group= and this rank's vocab_start= instead")
+
+    def check_shard():  # a DTensor built by hand (from_local) with other blocks
+        if local_weight.shape[0] != local_rows:
+            raise ValueError(f"lce_torch.{fn}: weight's local shard has {int(local_weight.shape[0])} rows where "
+                             f"torch.chunk's split of {int(weight.shape[0])} rows over {mesh.size()} ranks gives "
+                             f"{int(local_rows)}: pass weight.to_local() with group= and this rank's vocab_start= "
+                             f"instead")
+
     if is_dtensor(bias):
         if bias.device_mesh != mesh or bias.placements != weight.placements:
             raise ValueError(f"lce_torch.{fn}: bias must be placed as weight ({weight.placements} on its mesh), got "
@@ -90,7 +100,7 @@ def local_head(fn, hidden, weight, bias, group, vocab_start, sequence_parallel):
                 f"sharded weight (sequence parallel), got {rows_placement} of a {hidden.dim()}-D hidden: "
                 f"redistribute it, e.g. hidden.redistribute(placements=[Replicate()])")
         hidden = hidden.to_local()
-    return hidden, local_weight, bias, group, vocab_start, sequence_parallel
+    return hidden, local_weight, bias, group, vocab_start, sequence_parallel, check_shard
 
 
 def local_class_weight(fn, class_weight):

@@ -145,6 +145,20 @@ def _checks(rank, world, init_file):
     by_columns_weights = distribute_tensor(cw.clone(), mesh, [Shard(0)])
     _expect(rank, lambda: lce_torch.linear_cross_entropy(h, wd, y, weight=by_columns_weights), NotImplementedError,
             "must be replicated")
+    # A DTensor built by hand with blocks other than torch.chunk's: only the ranks whose
+    # block differs can see it; every rank raises (the others: rank r rejected its arguments).
+    sizes = {2: [6, 4], 3: [4, 3, 3]}[world]  # torch.chunk's: 5, 5 and 4, 4, 2
+    start = sum(sizes[:rank])
+    from torch.distributed.tensor import DTensor
+
+    by_hand = DTensor.from_local(w[start:start + sizes[rank]].clone(), mesh, [Shard(0)], shape=torch.Size((V, H)),
+                                 stride=(H, 1))
+    block = -(-V // world)
+    differs = [r for r in range(world) if sizes[r] != min(block, max(V - r * block, 0))]
+    message = ("weight's local shard has" if rank in differs else
+               f"rank {differs[0]} rejected its arguments")
+    for call in (lambda: lce_torch.linear_logprobs(h, by_hand, y), lambda: lce_torch.linear_cross_entropy(h, by_hand, y)):
+        _expect(rank, call, (ValueError, RuntimeError), message)
     # The group is still usable.
     loss = lce_torch.linear_cross_entropy(h, wd, y)
     _close(loss, F.cross_entropy(h @ w.T, y), "after the refusals", rank)
