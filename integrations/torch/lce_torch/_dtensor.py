@@ -12,7 +12,9 @@ differentiable: the gradients go back to the DTensors with their placements (the
 over the group; a hidden sharded by rows, sequence parallel, gets its rows' gradient).
 
 A DTensor's placements and mesh are the same on every rank (SPMD), so a layout refused
-here is refused on every rank alike, before any collective.
+here is refused on every rank alike, before any collective. What only one rank can see
+(its local shard's rows, for a DTensor built by hand) is checked among the checks the
+group's ranks share (``check_shard``), so that every rank raises.
 """
 
 import torch
@@ -63,8 +65,16 @@ def local_head(fn, hidden, weight, bias, group, vocab_start, sequence_parallel):
             f"lce_torch.{fn}: weight's device mesh must be 1-D (the tensor-parallel group), got {mesh.ndim} "
             f"dimensions {tuple(mesh.shape)}: pass weight.to_local() with group= and vocab_start= instead")
     (placement,) = weight.placements
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"lce_torch.{fn}: this rank is not in weight's device mesh: only the mesh's ranks call lce "
+                         f"with it")
     if placement.is_shard() and placement.dim in (0, -weight.dim()):
         rows, ranks = weight.shape[0], mesh.size()
+        empty = [r for r in range(ranks) if _vocabulary_block(rows, ranks, r)[1] == 0]
+        if empty:
+            raise ValueError(f"lce_torch.{fn}: torch.chunk's split of weight's {int(rows)} rows over {ranks} ranks "
+                             f"leaves rank {empty[0]} no rows, and lce needs every rank to hold part of the "
+                             f"vocabulary: use fewer ranks or pad the vocabulary")
         vocab_start, local_rows = _vocabulary_block(rows, ranks, mesh.get_local_rank())
         group = mesh.get_group()
     elif placement.is_replicate():

@@ -159,6 +159,10 @@ def _checks(rank, world, init_file):
                f"rank {differs[0]} rejected its arguments")
     for call in (lambda: lce_torch.linear_logprobs(h, by_hand, y), lambda: lce_torch.linear_cross_entropy(h, by_hand, y)):
         _expect(rank, call, (ValueError, RuntimeError), message)
+    # An empty block (V = 2 over 3 ranks: 1, 1, 0), refused alike on every rank.
+    if world == 3:
+        tiny = distribute_tensor(w[:2].clone(), mesh, [Shard(0)])
+        _expect(rank, lambda: lce_torch.linear_logprobs(h, tiny, y.clamp(0, 1)), ValueError, "leaves rank 2 no rows")
     # The group is still usable.
     loss = lce_torch.linear_cross_entropy(h, wd, y)
     _close(loss, F.cross_entropy(h @ w.T, y), "after the refusals", rank)
