@@ -34,7 +34,7 @@ import zlib
 import torch
 
 from . import _ops  # noqa: F401  (registers fake kernels and autograd)
-from ._dtensor import local_class_weight, local_head
+from ._dtensor import local_head, local_replicated
 from ._ops import (Refused, check_shapes, checked_on_group, device_of, group_name_of, number, refuse_create_graph,
                    refuse_forward_ad, require_tensors, result_dtype, shape_list)
 from ._losses import (
@@ -159,6 +159,7 @@ def linear_logprobs(hidden, weight, targets, *, bias=None, vocab_start=0, ignore
     """
     hidden, weight, bias, group, vocab_start, sequence_parallel, check_shard = local_head(
         "linear_logprobs", hidden, weight, bias, group, vocab_start, sequence_parallel)
+    targets = local_replicated("linear_logprobs", "targets", targets)
     return _head_call("linear_logprobs", torch.ops.lce.logprobs, hidden, weight, "targets", targets, bias, group,
                       (vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
                        workspace_limit_bytes), with_entropy, return_lse, return_mean_logit, check_shard)
@@ -187,6 +188,7 @@ def linear_target_set_logprobs(hidden, weight, ids, *, bias=None, vocab_start=0,
     """
     hidden, weight, bias, group, vocab_start, sequence_parallel, check_shard = local_head(
         "linear_target_set_logprobs", hidden, weight, bias, group, vocab_start, sequence_parallel)
+    ids = local_replicated("linear_target_set_logprobs", "ids", ids)
     return _head_call("linear_target_set_logprobs", torch.ops.lce.target_set_logprobs, hidden, weight, "ids", ids,
                       bias, group, (vocab_start, ignore_index, temperature, softcap, sequence_parallel,
                                     chunk_tokens, workspace_limit_bytes), with_entropy, return_lse, return_mean_logit,
@@ -381,7 +383,8 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
         ignore_index = -100
     input, linear_weight, linear_bias, group, vocab_start, sequence_parallel, check_shard = local_head(
         "linear_cross_entropy", input, linear_weight, linear_bias, group, vocab_start, sequence_parallel)
-    weight = local_class_weight("linear_cross_entropy", weight)
+    weight = local_replicated("linear_cross_entropy", "weight (class weights)", weight)
+    target = local_replicated("linear_cross_entropy", "target", target)
 
     def check():
         refuse_forward_ad("linear_cross_entropy", input, linear_weight, linear_bias)

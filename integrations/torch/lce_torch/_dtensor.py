@@ -113,11 +113,12 @@ def local_head(fn, hidden, weight, bias, group, vocab_start, sequence_parallel):
     return hidden, local_weight, bias, group, vocab_start, sequence_parallel, check_shard
 
 
-def local_class_weight(fn, class_weight):
-    """A replicated DTensor of class weights as its local (whole) tensor."""
-    if not is_dtensor(class_weight):
-        return class_weight
-    if not all(p.is_replicate() for p in class_weight.placements):
-        raise NotImplementedError(f"lce_torch.{fn}: a DTensor weight (class weights) must be replicated, got "
-                                  f"{class_weight.placements}")
-    return class_weight.to_local()
+def local_replicated(fn, name, tensor):
+    """A replicated DTensor (class weights, targets, ids: every rank needs all of them) as
+    its local (whole) tensor; anything else as it is."""
+    if not is_dtensor(tensor):
+        return tensor
+    if not all(p.is_replicate() for p in tensor.placements):
+        raise NotImplementedError(f"lce_torch.{fn}: a DTensor {name} must be replicated (every rank needs all of "
+                                  f"it), got {tensor.placements}")
+    return tensor.to_local()

@@ -116,6 +116,16 @@ def _checks(rank, world, init_file):
                             (bd, b1, Shard(0), "bias")), f"{kind}, logprobs")
             torch._dynamo.reset()
 
+    # Targets and ids as replicated DTensors (every rank needs all of them).
+    hd, wd, bd = dtensors(False)
+    y_replicated = distribute_tensor(y, mesh, [Replicate()])
+    loss = lce_torch.linear_cross_entropy(hd, wd, y_replicated, linear_bias=bd)
+    _close(loss, F.cross_entropy(F.linear(h, w, b), y), "replicated targets", rank)
+    ids = distribute_tensor(torch.stack([y.clamp(min=0), (y.clamp(min=0) + 3) % V], -1), mesh, [Replicate()])
+    _close(lce_torch.linear_target_set_logprobs(hd, wd, ids, bias=bd),
+           F.log_softmax(F.linear(h, w, b), -1).gather(-1, ids.to_local()), "replicated ids", rank)
+    _expect(rank, lambda: lce_torch.linear_logprobs(hd, wd, distribute_tensor(y, mesh, [Shard(0)])),
+            NotImplementedError, "a DTensor targets must be replicated")
     # A replicated weight: one process's call on every rank, no group.
     wd = distribute_tensor(w.clone(), mesh, [Replicate()]).requires_grad_()
     loss = lce_torch.linear_cross_entropy(h, wd, y)
