@@ -91,11 +91,11 @@ def _options(fn, vocab_start, ignore_index, temperature, softcap, sequence_paral
 
 
 def _head_call(fn, op, hidden, weight, ids_name, ids, bias, group, option_values, with_entropy, return_lse,
-               return_mean_logit, check_shard):
+               return_mean_logit, head_checks):
     # The option conversions and type checks run inside the checks the group's ranks share.
     def prepare():
         refuse_forward_ad(fn, hidden, weight, bias)
-        check_shard()
+        head_checks.check_shard()
         require_tensors(fn, hidden=hidden, weight=weight, **{ids_name: ids}, bias=bias)
         opts = _options(fn, *option_values, group)
         flags = tuple(number(fn, name, value, bool) for name, value in (
@@ -119,6 +119,7 @@ def _head_call(fn, op, hidden, weight, ids_name, ids, bias, group, option_values
         out = (logp,) + (per_token,) * sum(flags)
         return out[0] if len(out) == 1 else out
     opts, (with_entropy, return_lse, return_mean_logit) = prepared
+    ids = head_checks.agreed_ids(ids)
     logp, lse, ent, mean = op(hidden, weight, ids, bias, with_entropy=with_entropy,
                               with_mean_logit=return_mean_logit, **opts)
     out = (logp,)
@@ -157,12 +158,12 @@ def linear_logprobs(hidden, weight, targets, *, bias=None, vocab_start=0, ignore
     ``sequence_parallel``: its own rows of hidden, all targets); the hidden gradient
     is summed over the group (the same on every rank).
     """
-    hidden, weight, bias, group, vocab_start, sequence_parallel, check_shard = local_head(
+    hidden, weight, bias, group, vocab_start, sequence_parallel, head_checks = local_head(
         "linear_logprobs", hidden, weight, bias, group, vocab_start, sequence_parallel)
     targets = local_replicated("linear_logprobs", "targets", targets)
     return _head_call("linear_logprobs", torch.ops.lce.logprobs, hidden, weight, "targets", targets, bias, group,
                       (vocab_start, ignore_index, temperature, softcap, sequence_parallel, chunk_tokens,
-                       workspace_limit_bytes), with_entropy, return_lse, return_mean_logit, check_shard)
+                       workspace_limit_bytes), with_entropy, return_lse, return_mean_logit, head_checks)
 
 
 def linear_target_set_logprobs(hidden, weight, ids, *, bias=None, vocab_start=0, ignore_index=-100,
@@ -186,13 +187,13 @@ def linear_target_set_logprobs(hidden, weight, ids, *, bias=None, vocab_start=0,
     (each rank its shard of the vocabulary; every rank the same ids).
     Contiguous ids and hidden are used in place (no copy).
     """
-    hidden, weight, bias, group, vocab_start, sequence_parallel, check_shard = local_head(
+    hidden, weight, bias, group, vocab_start, sequence_parallel, head_checks = local_head(
         "linear_target_set_logprobs", hidden, weight, bias, group, vocab_start, sequence_parallel)
     ids = local_replicated("linear_target_set_logprobs", "ids", ids)
     return _head_call("linear_target_set_logprobs", torch.ops.lce.target_set_logprobs, hidden, weight, "ids", ids,
                       bias, group, (vocab_start, ignore_index, temperature, softcap, sequence_parallel,
                                     chunk_tokens, workspace_limit_bytes), with_entropy, return_lse, return_mean_logit,
-                      check_shard)
+                      head_checks)
 
 
 def _check_class_weight(class_weight, linear_weight, vocab_start, group):
@@ -381,14 +382,14 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
     """
     if ignore_index is None:
         ignore_index = -100
-    input, linear_weight, linear_bias, group, vocab_start, sequence_parallel, check_shard = local_head(
+    input, linear_weight, linear_bias, group, vocab_start, sequence_parallel, head_checks = local_head(
         "linear_cross_entropy", input, linear_weight, linear_bias, group, vocab_start, sequence_parallel)
     weight = local_replicated("linear_cross_entropy", "weight (class weights)", weight)
     target = local_replicated("linear_cross_entropy", "target", target)
 
     def check():
         refuse_forward_ad("linear_cross_entropy", input, linear_weight, linear_bias)
-        check_shard()
+        head_checks.check_shard()
         require_tensors("linear_cross_entropy", input=input, linear_weight=linear_weight, target=target,
                         linear_bias=linear_bias, weight=weight)
         opts = _options("linear_cross_entropy", vocab_start, ignore_index, temperature, softcap, sequence_parallel,
@@ -428,6 +429,7 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
         dtype = input.dtype if isinstance(input, torch.Tensor) else None
         return prepared.like(target, dtype) if reduction == "none" else prepared.like(None, dtype)
     label_smoothing, opts, fused = prepared
+    target = head_checks.agreed_ids(target)
     agreed = _class_weights_agreed(weight, input, opts)
     needs_grad = torch.is_grad_enabled() and (input.requires_grad or linear_weight.requires_grad or
                                               (linear_bias is not None and linear_bias.requires_grad))

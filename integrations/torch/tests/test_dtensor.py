@@ -3,7 +3,8 @@ PyTorch's tensor parallelism holds it (Shard(0), torch.chunk's uneven split), wi
 replicated hidden or one sharded by rows (sequence parallel), equals the materialised
 reference in float64 (F.linear, F.log_softmax, F.cross_entropy), eager and compiled; the
 gradients come back as DTensors with the inputs' placements; layouts lce does not take
-raise, naming them."""
+raise, naming them; hidden states or targets that differ across the ranks beside a Shard(0)
+weight (FSDP's, from outside its module's forward) raise on every rank."""
 
 import pytest
 import torch
@@ -173,6 +174,61 @@ def _checks(rank, world, init_file):
     if world == 3:
         tiny = distribute_tensor(w[:2].clone(), mesh, [Shard(0)])
         _expect(rank, lambda: lce_torch.linear_logprobs(h, tiny, y.clamp(0, 1)), ValueError, "leaves rank 2 no rows")
+    # Hidden states or targets that differ across the ranks beside a Shard(0) weight (what a
+    # data-parallel weight sharded by FSDP looks like from outside its module's forward):
+    # every rank raises, eager and compiled, where they would have mixed every rank's
+    # tokens into one tensor-parallel loss. The last rank alone differs. (lce's own call
+    # compares the targets; lce_torch the hidden states.)
+    last = rank == world - 1
+    h_mine = h + 1.0 if last else h
+    y_mine = y.roll(1) if last else y
+    differ = "hidden states beside a Shard\\(0\\) DTensor weight .* differ across the ranks"
+    targets_differ = "the hash of the target ids differs across ranks"
+    for compiled in (False, True):
+        def wrap(f):
+            return torch.compile(f, fullgraph=True, backend="aot_eager") if compiled else f
+
+        _expect(rank, lambda: wrap(lambda: lce_torch.linear_cross_entropy(h_mine, wd, y))(), RuntimeError, differ)
+        _expect(rank, lambda: wrap(lambda: lce_torch.linear_logprobs(h, wd, y_mine))(), RuntimeError, targets_differ)
+        swapped = h.clone()
+        if last:  # two values of one row swapped: the row's sum stays
+            swapped[3, [0, 2]] = swapped[3, [2, 0]]
+        _expect(rank, lambda: wrap(lambda: lce_torch.linear_logprobs(swapped, wd, y))(), RuntimeError, differ)
+        sets = torch.stack([y.clamp(min=0), (y.clamp(min=0) + 3) % V], -1)
+        _expect(rank, lambda: wrap(lambda: lce_torch.linear_target_set_logprobs(h_mine, wd, sets))(), RuntimeError,
+                differ)
+        # Sequence parallel: each rank its own rows of hidden, every rank all the targets.
+        rows = distribute_tensor(h.clone(), mesh, [Shard(0)])
+        _expect(rank, lambda: wrap(lambda: lce_torch.linear_cross_entropy(rows, wd, y_mine))(), RuntimeError,
+                targets_differ)
+        torch._dynamo.reset()
+    # FSDP itself (fully_shard): its Shard(0) weight, from outside the module's forward, is
+    # refused on every rank; inside it the weight is gathered and each rank's loss is its
+    # own, the weight's gradient FSDP's mean over the ranks.
+    from torch.distributed.fsdp import fully_shard
+
+    class Head(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lm = torch.nn.Linear(H, V, bias=False, dtype=torch.float64)
+
+        def forward(self, hidden, targets):
+            return lce_torch.linear_cross_entropy(hidden, self.lm.weight, targets)
+
+    head = Head()
+    with torch.no_grad():
+        head.lm.weight.copy_(w)
+    fully_shard(head, mesh=mesh)
+    _expect(rank, lambda: lce_torch.linear_cross_entropy(h_mine, head.lm.weight, y), RuntimeError, differ)
+    loss = head(h_mine, y_mine)
+    loss.backward()
+    w1 = w.clone().requires_grad_()
+    want = F.cross_entropy(h_mine @ w1.T, y_mine)
+    want.backward()
+    _close(loss.detach(), want.detach(), "FSDP: each rank's own loss", rank)
+    mean_grad = w1.grad.clone()
+    dist.all_reduce(mean_grad)
+    _close(head.lm.weight.grad.full_tensor(), mean_grad / world, "FSDP: dweight", rank)
     # The group is still usable.
     loss = lce_torch.linear_cross_entropy(h, wd, y)
     _close(loss, F.cross_entropy(h @ w.T, y), "after the refusals", rank)
