@@ -194,6 +194,13 @@ def _checks(rank, world, init_file):
         if last:  # two values of one row swapped: the row's sum stays
             swapped[3, [0, 2]] = swapped[3, [2, 0]]
         _expect(rank, lambda: wrap(lambda: lce_torch.linear_logprobs(swapped, wd, y))(), RuntimeError, differ)
+        doubled = 2 * h if last else h  # float64: only the exponents differ, in each value's high 32 bits
+        _expect(rank, lambda: wrap(lambda: lce_torch.linear_logprobs(doubled, wd, y))(), RuntimeError, differ)
+        one_bf16 = h.bfloat16()
+        if last:  # one bf16 value one unit in the last place up
+            one_bf16.view(torch.int16)[4, 1] += 1
+        _expect(rank, lambda: wrap(lambda: lce_torch.linear_logprobs(one_bf16, wd.bfloat16(), y))(), RuntimeError,
+                differ)
         sets = torch.stack([y.clamp(min=0), (y.clamp(min=0) + 3) % V], -1)
         _expect(rank, lambda: wrap(lambda: lce_torch.linear_target_set_logprobs(h_mine, wd, sets))(), RuntimeError,
                 differ)
