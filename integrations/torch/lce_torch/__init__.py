@@ -119,7 +119,7 @@ def _head_call(fn, op, hidden, weight, ids_name, ids, bias, group, option_values
         out = (logp,) + (per_token,) * sum(flags)
         return out[0] if len(out) == 1 else out
     opts, (with_entropy, return_lse, return_mean_logit) = prepared
-    ids = head_checks.agreed_ids(ids)
+    ids = head_checks.agreed_ids(ids, opts)
     logp, lse, ent, mean = op(hidden, weight, ids, bias, with_entropy=with_entropy,
                               with_mean_logit=return_mean_logit, **opts)
     out = (logp,)
@@ -429,7 +429,7 @@ def linear_cross_entropy(input, linear_weight, target, *, linear_bias=None, weig
         dtype = input.dtype if isinstance(input, torch.Tensor) else None
         return prepared.like(target, dtype) if reduction == "none" else prepared.like(None, dtype)
     label_smoothing, opts, fused = prepared
-    target = head_checks.agreed_ids(target)
+    target = head_checks.agreed_ids(target, opts)
     agreed = _class_weights_agreed(weight, input, opts)
     needs_grad = torch.is_grad_enabled() and (input.requires_grad or linear_weight.requires_grad or
                                               (linear_bias is not None and linear_bias.requires_grad))

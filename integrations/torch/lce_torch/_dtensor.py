@@ -27,8 +27,6 @@ where they differ.
 
 import torch
 
-from ._ops import group_name_of
-
 
 def _dtensor_type():
     try:
@@ -102,9 +100,8 @@ class HeadChecks:
     sharded weight, that the hidden states lce takes as replicated are the same on every
     rank (``agreed_ids``, before the op)."""
 
-    def __init__(self, fn="", weight=None, local_rows=0, group=None, hidden=None, sequence_parallel=False):
-        self._fn, self._weight, self._local_rows = fn, weight, local_rows
-        self._group, self._hidden, self._sequence_parallel = group, hidden, sequence_parallel
+    def __init__(self, fn="", weight=None, local_rows=0, hidden=None):
+        self._fn, self._weight, self._local_rows, self._hidden = fn, weight, local_rows, hidden
 
     def check_shard(self):  # a DTensor built by hand (from_local) with other blocks
         if self._weight is None:
@@ -116,14 +113,16 @@ class HeadChecks:
                              f"{self._weight.device_mesh.size()} ranks gives {int(self._local_rows)}: pass "
                              f"weight.to_local() with group= and this rank's vocab_start= instead")
 
-    def agreed_ids(self, ids):
-        """ids (targets or target sets), once the ranks found the hidden states they take as
-        replicated equal (they raise together otherwise), with a zero added so that a
-        compiled graph keeps the comparison. (lce's own call compares the ids.)"""
-        if self._group is None or self._sequence_parallel:  # sequence parallel: each rank its own rows
+    def agreed_ids(self, ids, opts):
+        """ids (targets or target sets), once the ranks of opts' group (the weight's mesh) found
+        the hidden states they take as replicated equal (they raise together otherwise), with
+        a zero added so that a compiled graph keeps the comparison. As they are without a
+        DTensor weight, for a replicated one (no group) and under sequence parallelism (each
+        rank its own rows). lce's own call compares the ids."""
+        if self._weight is None or opts["group_name"] is None or opts["sequence_parallel"]:
             return ids
         zero = torch.ops.lce.agree_on_values(
-            bits_fingerprint(self._hidden), group_name_of(self._group),
+            bits_fingerprint(self._hidden), opts["group_name"],
             f"{self._fn}'s hidden states beside a Shard(0) DTensor weight (lce runs it as tensor parallelism over "
             f"the weight's mesh, every rank the same tokens; a weight sharded for data parallelism, as FSDP's "
             f"fully_shard holds it, is gathered inside the FSDP module's forward: call lce there)")
@@ -140,8 +139,8 @@ def local_head(fn, hidden, weight, bias, group, vocab_start, sequence_parallel):
     row as ``vocab_start``. ``head_checks`` (a HeadChecks) does what only a running call
     can: ``check_shard()`` raises where this rank's shard is not the one ``vocab_start``
     assumes, which only this rank can see (the caller runs it among the checks the group's
-    ranks share, so that every rank raises); ``agreed_ids(ids)`` compares the replicated
-    inputs across the ranks."""
+    ranks share, so that every rank raises); ``agreed_ids(ids, opts)`` compares the
+    replicated hidden states across the ranks."""
     if not (is_dtensor(hidden) or is_dtensor(weight) or is_dtensor(bias)):
         return hidden, weight, bias, group, vocab_start, sequence_parallel, NO_DTENSOR
     if not is_dtensor(weight):
@@ -193,7 +192,7 @@ def local_head(fn, hidden, weight, bias, group, vocab_start, sequence_parallel):
                 f"sharded weight (sequence parallel), got {rows_placement} of a {hidden.dim()}-D hidden: "
                 f"redistribute it, e.g. hidden.redistribute(placements=[Replicate()])")
         hidden = hidden.to_local()
-    checks = HeadChecks(fn, weight, local_rows, group, hidden, sequence_parallel)
+    checks = HeadChecks(fn, weight, local_rows, hidden)
     return hidden, local_weight, bias, group, vocab_start, sequence_parallel, checks
 
 
