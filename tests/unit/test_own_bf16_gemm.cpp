@@ -213,6 +213,11 @@ TEST_CASE_TEMPLATE("Own bf16 GEMM: lce_torch's shapes (logits into a wide C, dX 
   CHECK(run({64, 200, 256, transpose::no, transpose::yes, 1.0f, 0.0f, true}, rng) <= 1.0);
   CHECK(run({40, 96, 3000, transpose::no, transpose::no, 1.0f, 1.0f, true}, rng) <= 1.0);
   CHECK(run({64, 70, 1024, transpose::no, transpose::yes, 0.5f, 0.0f, true}, rng) <= 1.0);
+  // Packed A in slices held in L1 (own_kernel::l1_slice_steps), C's whole blocks summed in
+  // place slice by slice: from zero and onto C (beta 1), over one and two depth blocks.
+  CHECK(run({64, 96, 1024, transpose::no, transpose::yes, 1.0f, 0.0f, true}, rng) <= 1.0);
+  CHECK(run({64, 96, 1024, transpose::no, transpose::yes, 1.0f, 1.0f, true}, rng) <= 1.0);
+  CHECK(run({32, 64, 2300, transpose::yes, transpose::no, 1.0f, 1.0f}, rng) <= 1.0);
   // dW of the vocabulary order's tile (dz^T packed, over more columns than one 1,024-deep
   // block holds): two 512-deep blocks, the second added through C, beta 0 and 1.
   CHECK(run({96, 1024, 1000, transpose::yes, transpose::no, 0.25f, 0.0f}, rng) <= 1.0);

@@ -303,6 +303,15 @@ inline constexpr std::int64_t c_blocks_ahead = 3;
 // How many tiles ahead the packing asks for the lines it reads (see gemm).
 inline constexpr std::int64_t packed_ahead = 8;
 
+// The steps of packed A that the AMX unit multiplies by every panel of packed B before the
+// next ones: 2 x 8 tiles, 16 KiB, stay in L1 while B's tiles stream from L2, where a whole
+// depth block of A (64 KiB at 1,024) went back to L2 for each panel, and every step's four
+// tile loads came from L2. The blocks of C are then added to 4 times per depth block of
+// 1,024 (from L2: a row block's C is at most 32 x 1,024 fp32). A bf16 step of lce_torch (N
+// 1,024, H 1,024, V 32,000, 2 threads, warm memory, without multiply_steps' prefetch) took
+// 177-182 ms against 198-204 ms on a 2-core AMX Xeon; 4 steps ran slower, 16 about the same.
+inline constexpr std::int64_t l1_slice_steps = 8;
+
 // The line at p into L1. An asm: GCC 12 drops _mm_prefetch and __builtin_prefetch from
 // function templates inlined into this kernel (no prefetch instruction was left in gemm).
 inline void prefetch_line(const void* p) { __asm__ volatile("prefetcht0 %0" ::"m"(*static_cast<const char*>(p))); }
@@ -424,23 +433,13 @@ struct a_tiles {
   std::int64_t advance, stride;
 };
 
-// C tiles 0-3 += A(steps) x B(steps); b0, b1 packed (consecutive tiles per step). The
-// next step's tiles are prefetched into L1: tile loads from L2 alone leave the
-// multiplier idle (on a 2-core Xeon: 750 against 850 GFLOP/s with the prefetch).
+// C tiles 0-3 += A(steps) x B(steps); b0, b1 packed (consecutive tiles per step). No
+// software prefetch: the 64 prefetches a step took the load ports the tile loads need. On a
+// 2-core AMX Xeon (model 167) the loop ran 1.57 TFLOP/s on one core with them, 2.10 without
+// (A and B in L1), and a bf16 step of lce_torch (N 1,024, H 1,024, V 32,000, 2 threads,
+// warm memory) 198-204 ms without against 214-216 ms with.
 LCE_BF16_KERNEL_TARGET inline void multiply_steps(const a_tiles& a, const u16* b0, const u16* b1, std::int64_t steps) {
   for (std::int64_t s = 0; s < steps; ++s) {
-    if (s + 1 < steps) {
-      const char* const next_b0 = reinterpret_cast<const char*>(b0 + (s + 1) * tile_elements);
-      const char* const next_b1 = reinterpret_cast<const char*>(b1 + (s + 1) * tile_elements);
-      const char* const next_a0 = reinterpret_cast<const char*>(a.half[0] + (s + 1) * a.advance);
-      const char* const next_a1 = reinterpret_cast<const char*>(a.half[1] + (s + 1) * a.advance);
-      for (int line = 0; line < 16; ++line) {
-        _mm_prefetch(next_b0 + 64 * line, _MM_HINT_T0);
-        _mm_prefetch(next_b1 + 64 * line, _MM_HINT_T0);
-        _mm_prefetch(next_a0 + a.stride * line, _MM_HINT_T0);
-        _mm_prefetch(next_a1 + a.stride * line, _MM_HINT_T0);
-      }
-    }
     _tile_loadd(6, b0 + s * tile_elements, 64);
     _tile_loadd(4, a.half[0] + s * a.advance, a.stride);
     _tile_dpbf16ps(0, 4, 6);
@@ -784,45 +783,56 @@ LCE_BF16_KERNEL_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int
         packed_stores_done();
         const a_tiles packed{{a_half[0], a_half[1]}, direct ? 0 : tile_elements, 64};
         const a_tiles packed_lo{{a_lo_half[0], a_lo_half[1]}, tile_elements, 64};
-        for (std::int64_t p = 0; p < these_panels; ++p) {
-          const std::int64_t col = n0 + p * 32;
-          // The C block c_blocks_ahead on, where C is read: from memory (dW's C is 4 MiB) it
-          // held the multiplier up at the start of every block (dW of 512 tokens added into a
-          // bf16 C: 102 ms without, 79 ms with the next block's, on a Zen 5 core).
-          if (reads_c) {
-            const std::int64_t ahead = p + c_blocks_ahead;
-            const std::int64_t next_m0 = m0 + 32 * (ahead / these_panels), next_col = n0 + 32 * (ahead % these_panels);
-            if (next_m0 < m)
-              prefetch_block(c + next_m0 * ldc + next_col, std::min<std::int64_t>(32, m - next_m0),
-                             std::min<std::int64_t>(32, n - next_col), ldc);
+        // Slices of packed A held in L1 (l1_slice_steps) where every block of this row of C
+        // takes its sums in place, so that a slice's partial sums wait there.
+        const bool sliced = Unit == bf16_unit::amx && !direct && !split && c_in_place_allowed && rows == 32 &&
+                            n - n0 >= 32 * these_panels && steps > l1_slice_steps;
+        const std::int64_t slice = sliced ? l1_slice_steps : steps;
+        for (std::int64_t s0 = 0; s0 < steps; s0 += slice) {
+          for (std::int64_t p = 0; p < these_panels; ++p) {
+            const std::int64_t col = n0 + p * 32;
+            const std::int64_t slice_steps = std::min(slice, steps - s0);
+            // The C block c_blocks_ahead on, where C is read: from memory (dW's C is 4 MiB) it
+            // held the multiplier up at the start of every block (dW of 512 tokens added into a
+            // bf16 C: 102 ms without, 79 ms with the next block's, on a Zen 5 core).
+            if (reads_c && s0 == 0) {
+              const std::int64_t ahead = p + c_blocks_ahead;
+              const std::int64_t next_m0 = m0 + 32 * (ahead / these_panels);
+              const std::int64_t next_col = n0 + 32 * (ahead % these_panels);
+              if (next_m0 < m)
+                prefetch_block(c + next_m0 * ldc + next_col, std::min<std::int64_t>(32, m - next_m0),
+                               std::min<std::int64_t>(32, n - next_col), ldc);
+            }
+            const bool c_in_place = c_in_place_allowed && rows == 32 && n - col >= 32;
+            CElement* const c_block = c + m0 * ldc + col;
+            // In place, the block starts from C's sum so far (beta = 1, or a later depth block);
+            // otherwise from zero, this depth block's sum going through `block`.
+            const bool from_c = c_in_place && (s0 > 0 || !first || beta == 1.0f);
+            const u16* const b0 = b_stream(2 * p);
+            const u16* const b1 = b_stream(2 * p + 1);
+            a_run runs[2];
+            int count = 0;
+            if (direct) {
+              runs[count++] = {in_place, 0, full_steps};
+              if (full_steps < steps) runs[count++] = {packed, full_steps, 1, last_pairs};  // from a_half, advance 0
+            } else {
+              const a_tiles from_slice{{a_half[0] + s0 * tile_elements, a_half[1] + s0 * tile_elements},
+                                       tile_elements, 64};
+              runs[count++] = {from_slice, s0, slice_steps, s0 + slice_steps == steps ? last_pairs : 16};
+              if constexpr (split) runs[count++] = {packed_lo, 0, steps, last_pairs};
+            }
+            float* const sum_to = c_in_place ? reinterpret_cast<float*>(c_block) : block;
+            const std::int64_t sum_ld = c_in_place ? ldc : 32;
+            const float* const sum_from = from_c ? sum_to : nullptr;
+            if constexpr (Unit == bf16_unit::amx)
+              block_product_on_tiles(runs, count, b0, b1, sum_from, sum_ld, sum_to, sum_ld);
+            else
+              block_product_on_vectors(runs, count, b0, b1, rows, sum_from, sum_ld, sum_to, sum_ld);
+            if constexpr (rounds_into_bf16)
+              round_block_into(block, rows, std::min<std::int64_t>(32, n - col), alpha, beta, c_block, ldc);
+            else if (!c_in_place)
+              add_block(block, rows, std::min<std::int64_t>(32, n - col), alpha, first ? beta : 1.0f, c_block, ldc);
           }
-          const bool c_in_place = c_in_place_allowed && rows == 32 && n - col >= 32;
-          CElement* const c_block = c + m0 * ldc + col;
-          // In place, the block starts from C's sum so far (beta = 1, or a later depth block);
-          // otherwise from zero, this depth block's sum going through `block`.
-          const bool from_c = c_in_place && (!first || beta == 1.0f);
-          const u16* const b0 = b_stream(2 * p);
-          const u16* const b1 = b_stream(2 * p + 1);
-          a_run runs[2];
-          int count = 0;
-          if (direct) {
-            runs[count++] = {in_place, 0, full_steps};
-            if (full_steps < steps) runs[count++] = {packed, full_steps, 1, last_pairs};  // from a_half, advance 0
-          } else {
-            runs[count++] = {packed, 0, steps, last_pairs};
-            if constexpr (split) runs[count++] = {packed_lo, 0, steps, last_pairs};
-          }
-          float* const sum_to = c_in_place ? reinterpret_cast<float*>(c_block) : block;
-          const std::int64_t sum_ld = c_in_place ? ldc : 32;
-          const float* const sum_from = from_c ? sum_to : nullptr;
-          if constexpr (Unit == bf16_unit::amx)
-            block_product_on_tiles(runs, count, b0, b1, sum_from, sum_ld, sum_to, sum_ld);
-          else
-            block_product_on_vectors(runs, count, b0, b1, rows, sum_from, sum_ld, sum_to, sum_ld);
-          if constexpr (rounds_into_bf16)
-            round_block_into(block, rows, std::min<std::int64_t>(32, n - col), alpha, beta, c_block, ldc);
-          else if (!c_in_place)
-            add_block(block, rows, std::min<std::int64_t>(32, n - col), alpha, first ? beta : 1.0f, c_block, ldc);
         }
       }
     }
