@@ -15,7 +15,9 @@
 // threads, while PyTorch's own bf16 matmuls (a newer oneDNN inside
 // libtorch_cpu, bf16 out, not callable with an fp32 output) ran 64 ms; this
 // kernel on the tiles runs them in 66-71 ms (bench/bf16_gemm.cpp's `lce amx`
-// rows). On a 2-core AMD EPYC (Zen 5), MKL's runs 205-228 GFLOP/s on two
+// rows; on another such Xeon, model 167, 84 ms before packed A went through
+// L1 in slices, l1_slice_steps, and 77-80 ms since, where oneDNN 2.6 ran
+// 109-111 ms). On a 2-core AMD EPYC (Zen 5), MKL's runs 205-228 GFLOP/s on two
 // threads (it does not use AVX512-BF16 there), PyTorch's own 784-893, Debian's
 // oneDNN 2.6 832 / 717 / 694 (logits / dX / dW at 512 tokens), and this kernel
 // on AVX512-BF16 886 / 844 / 701 (bench/bf16_gemm.cpp's `lce avx512` rows). The host
@@ -782,9 +784,11 @@ LCE_BF16_KERNEL_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int
         }
         packed_stores_done();
         const a_tiles packed{{a_half[0], a_half[1]}, direct ? 0 : tile_elements, 64};
-        const a_tiles packed_lo{{a_lo_half[0], a_lo_half[1]}, tile_elements, 64};
         // Slices of packed A held in L1 (l1_slice_steps) where every block of this row of C
-        // takes its sums in place, so that a slice's partial sums wait there.
+        // takes its sums in place, so that a slice's partial sums wait there. Not for a split A:
+        // its hi and lo parts would then alternate slice by slice, another order of the sums
+        // than the bf16 C's (one depth block, not sliced), whose bits must be the fp32 C's
+        // rounded; nor did slicing speed it up (its packing bounds it).
         const bool sliced = Unit == bf16_unit::amx && !direct && !split && c_in_place_allowed && rows == 32 &&
                             n - n0 >= 32 * these_panels && steps > l1_slice_steps;
         const std::int64_t slice = sliced ? l1_slice_steps : steps;
@@ -816,10 +820,11 @@ LCE_BF16_KERNEL_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int
               runs[count++] = {in_place, 0, full_steps};
               if (full_steps < steps) runs[count++] = {packed, full_steps, 1, last_pairs};  // from a_half, advance 0
             } else {
-              const a_tiles from_slice{{a_half[0] + s0 * tile_elements, a_half[1] + s0 * tile_elements},
+              const a_tiles slice_of_a{{a_half[0] + s0 * tile_elements, a_half[1] + s0 * tile_elements},
                                        tile_elements, 64};
-              runs[count++] = {from_slice, s0, slice_steps, s0 + slice_steps == steps ? last_pairs : 16};
-              if constexpr (split) runs[count++] = {packed_lo, 0, steps, last_pairs};
+              runs[count++] = {slice_of_a, s0, slice_steps, s0 + slice_steps == steps ? last_pairs : 16};
+              if constexpr (split)
+                runs[count++] = {{{a_lo_half[0], a_lo_half[1]}, tile_elements, 64}, 0, steps, last_pairs};
             }
             float* const sum_to = c_in_place ? reinterpret_cast<float*>(c_block) : block;
             const std::int64_t sum_ld = c_in_place ? ldc : 32;
