@@ -273,6 +273,7 @@ class cuda_backend : public detail::cuda_plan_traits {
     };
     namespace k = detail::cuda_kernels;
     const bool capped = args.soft_cap.enabled();
+    detail::expects(!args.exp_ratios, "cuda_backend::logit_gradients: exp_ratios is for a backend that keeps_exp_ratios");
     if (args.exp_row_max) {
       detail::expects(!capped && !args.grad_entropy,
                       "cuda_backend::logit_gradients: exp_row_max goes with neither a soft-cap nor grad_entropy");

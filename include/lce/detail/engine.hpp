@@ -392,15 +392,18 @@ class engine {
           if (keep_logits_in.data)
             backend_.touch_pages(keep_logits_in.data, static_cast<std::size_t>(call.vocab_tiles.kept_bytes));
         }
+        // Kept as ratios, the kept tiles' statistics leave exp(z - max) for the ratios to round.
+        const bool exp_ratios = keeps_exp_ratios<Backend> && keep_exp && call.vocab_tiles.ratios;
         sweep.run(in, [&](const auto& whole) {
-          statistics_by_vocabulary_tiles(sweep, whole, call, with_entropy, out.has_mean_logit, keep_logits_in);
+          statistics_by_vocabulary_tiles(sweep, whole, call, with_entropy, out.has_mean_logit, keep_logits_in,
+                                         exp_ratios);
           scatter_outputs(sweep, whole, out);
           auto args = gather_given(sweep, whole, grads);
           if (grads.has_entropy) args.mean_centred_logit = whole.row(row_mean_centred);
           if constexpr (backend_keeps_logits_in<GradWeight>) {
             if (keep_logits_in.data)
               return gradient_by_kept_logits(sweep, whole, call, args, grad_hidden, keep_logits_in, weight_gradient,
-                                             grad_bias);
+                                             grad_bias, exp_ratios);
           }
           gradient_by_vocabulary_tiles(sweep, whole, call, args, grad_hidden, weight_gradient, grad_bias);
         });
@@ -505,19 +508,29 @@ class engine {
 
   // Every row's statistics from the tiles' logits, merged in vocabulary
   // order; the logits left in `keep_in` (grad_weight) where it is given, in
-  // fp32 or as ratios (kept_ratios_plan).
+  // fp32 or as ratios (kept_ratios_plan), with exp_ratios from the exps
+  // that the statistics leave (keeps_exp_ratios).
   template <class Chunk_, class G = Compute>
   void statistics_by_vocabulary_tiles(sweep_type& sweep, const Chunk_& whole, const prepared_call& call,
-                                      bool with_entropy, bool with_mean_logit, const matrix_view<G>& keep_in = {}) {
+                                      bool with_entropy, bool with_mean_logit, const matrix_view<G>& keep_in = {},
+                                      bool exp_ratios = false) {
     const auto& tiles = call.vocab_tiles;
     for_vocabulary_tiles(sweep, whole, call, [&](const Chunk_& slice, std::size_t tile) {
       const bool as_ratios = keep_in.data && tiles.ratios;
-      sweep.tile_statistics(keep_in.data && !as_ratios ? logits_kept_in(keep_in, slice, call, tile) : slice,
-                            tile == 0, with_entropy, with_mean_logit);
+      const bool from_exps = as_ratios && exp_ratios && tiles.kept(tile);
+      const auto* partials =
+          sweep.tile_statistics(keep_in.data && !as_ratios ? logits_kept_in(keep_in, slice, call, tile) : slice,
+                                tile == 0, with_entropy, with_mean_logit, from_exps);
       if constexpr (keeps_ratios) {
-        if (as_ratios && tiles.kept(tile))
-          backend_.keep_logit_ratios(matrix_view<const Compute>(slice.logits), ratios_kept_in(keep_in, slice, call, tile),
+        const auto block = matrix_view<const Compute>(slice.logits);
+        if (from_exps) {
+          if constexpr (keeps_exp_ratios<Backend>)
+            backend_.keep_exp_ratios(block, partials, ratios_kept_in(keep_in, slice, call, tile),
                                      ratio_centres_of(keep_in, call, tile));
+        } else if (as_ratios && tiles.kept(tile)) {
+          backend_.keep_logit_ratios(block, ratios_kept_in(keep_in, slice, call, tile),
+                                     ratio_centres_of(keep_in, call, tile));
+        }
       }
     });
     sweep.finish_tile_statistics(whole, with_entropy, with_mean_logit);
@@ -575,12 +588,13 @@ class engine {
   // over grad_weight's rows (beta 0). The tiles not kept take their logits
   // again in the block, but the last of them, whose logits it still holds.
   // Kept as ratios, every tile's logits are written back into the block
-  // (expand_logit_ratios) but the last tile's, still there.
+  // (expand_logit_ratios) but the last tile's, still there; with exp_ratios
+  // the kept tiles' dz is made from their ratios as they are.
   template <class Chunk_, class Args, class GradHidden, class G>
   void gradient_by_kept_logits(sweep_type& sweep, const Chunk_& whole, const prepared_call& call, const Args& args,
                                const matrix_view<GradHidden>& grad_hidden, const matrix_view<G>& grad_weight,
                                const weight_gradient_sink<Compute, G>& weight_gradient,
-                               const vector_view<Compute>& grad_bias) {
+                               const vector_view<Compute>& grad_bias, bool exp_ratios) {
     matrix_view<Compute> sum = whole.grad_hidden_stage;
     if constexpr (std::same_as<GradHidden, Compute>) sum = grad_hidden;
     const auto& tiles = call.vocab_tiles;
@@ -589,14 +603,23 @@ class engine {
       const auto tile = sweep.vocabulary_tile(whole, tiles.first_row(t), tiles.rows(t));
       const auto in_logit_block = sweep.token_slice(tile, 0, whole.rows);
       const auto slice = tiles.ratios ? in_logit_block : logits_kept_in(grad_weight, in_logit_block, call, t);
+      auto tile_args = sweep.gradient_of_tile(args, slice);
       if (t != in_block && !tiles.kept(t)) {
         sweep.recompute_logits(slice);
       } else if (t != in_block && tiles.ratios) {
-        if constexpr (keeps_ratios)
-          backend_.expand_logit_ratios(matrix_view<const bfloat16>(ratios_kept_in(grad_weight, slice, call, t)),
-                                       ratio_centres_of(grad_weight, call, t), slice.logits);
+        if constexpr (keeps_ratios) {
+          const auto ratios = ratios_kept_in(grad_weight, slice, call, t);
+          if (exp_ratios) {
+            tile_args.exp_ratios = ratios.data;
+            tile_args.exp_ratios_ld = ratios.ld;
+            tile_args.exp_ratio_centres = ratio_centres_of(grad_weight, call, t);
+          } else {
+            backend_.expand_logit_ratios(matrix_view<const bfloat16>(ratios), ratio_centres_of(grad_weight, call, t),
+                                         slice.logits);
+          }
+        }
       }
-      backend_.logit_gradients(sweep.gradient_of_tile(args, slice));
+      backend_.logit_gradients(tile_args);
       sweep.propagate_tile(slice, t + 1 == tiles.count(), sum, weight_gradient, grad_bias);
     }
     if constexpr (!std::same_as<GradHidden, Compute>) backend_.copy(matrix_view<const Compute>(sum), grad_hidden);

@@ -304,14 +304,17 @@ class chunk_sweep {
 
   // The slice's logits and their row partials, merged into the running ones
   // (the first tile's become them). Tiles are merged in vocabulary order.
+  // Returns the slice's own partials, valid until the next slice's statistics;
+  // with keep_exp the block is left as exp(z - their max).
   template <class Index>
-  void tile_statistics(const chunk<T, Compute, Operand, Index>& slice, bool first_tile, bool with_entropy,
-                       bool with_mean_logit) {
+  const row_partial<Compute>* tile_statistics(const chunk<T, Compute, Operand, Index>& slice, bool first_tile,
+                                              bool with_entropy, bool with_mean_logit, bool keep_exp = false) {
     compute_logits(slice);
     const std::int64_t record = workspace_plan<Compute>::exchange_record(plan_.chunk, 0).value;
-    row_statistics(slice, with_entropy, /*keep_exp=*/false, with_mean_logit,
-                   first_tile ? slice.gathered : slice.gathered + record);
+    row_partial<Compute>* own = first_tile ? slice.gathered : slice.gathered + record;
+    row_statistics(slice, with_entropy, keep_exp, with_mean_logit, own);
     if (!first_tile) backend_.merge_partials(slice.gathered, 2, slice.rows, record, slice.gathered);
+    return own;
   }
 
   // Log-prob, lse, entropy (and mean logit) of every row from the merged partials.

@@ -488,6 +488,14 @@ class basic_host {
     for_rows(logits.rows, logits.cols,
              [&](std::int64_t r) { centres[r] = detail::keep_ratio_row(logits.row(r), logits.cols, ratios.row(r)); });
   }
+  // The same ratios from a block that row_statistics left as exp(z - c) (keep_exp): rounded, c kept.
+  void keep_exp_ratios(matrix_view<const float> exps, const detail::row_partial<float>* partials,
+                       matrix_view<bfloat16> ratios, float* centres) {
+    for_rows(exps.rows, exps.cols, [&](std::int64_t r) {
+      detail::convert_span(exps.row(r), ratios.row(r), exps.cols);
+      centres[r] = partials[r].max;
+    });
+  }
   void expand_logit_ratios(matrix_view<const bfloat16> ratios, const float* centres, matrix_view<float> logits) {
     for_rows(logits.rows, logits.cols,
              [&](std::int64_t r) { detail::expand_ratio_row(ratios.row(r), logits.cols, centres[r], logits.row(r)); });
@@ -660,7 +668,11 @@ class basic_host {
     const std::int64_t target = detail::local_target(args.targets[r], args.vocab_start, args.ignore_index, n);
     const A target_slope = target >= 0 && capped ? detail::soft_cap_slope(row[target], args.soft_cap) : A(1);
     const auto terms = detail::fold_row_terms(g, q, m, args.inverse_vocab);
-    if (args.exp_row_max) {
+    if (args.exp_ratios) {
+      detail::scale_ratio_row(args.exp_ratios + r * args.exp_ratios_ld, n,
+                              -terms.grad_logprob_of_p * std::exp(args.exp_ratio_centres[r] - args.lse[r]),
+                              terms.uniform, row);
+    } else if (args.exp_row_max) {
       detail::scale_row(row, n, -terms.grad_logprob_of_p * std::exp(args.exp_row_max[r].max - args.lse[r]),
                         terms.uniform);
     } else {

@@ -153,6 +153,20 @@ void expand_ratio_row(const bfloat16* ratios, std::int64_t n, A centre, A* z) {
   for (; j < n; ++j) z[j] = fast_log(static_cast<float>(ratios[j])) + centre;
 }
 
+// z = r factor + uniform from a row of ratios r = bf16(exp(z - c)) (keep_exp_ratios): the
+// rescale of scale_row with the ratios widened as it goes.
+template <class A>
+void scale_ratio_row(const bfloat16* ratios, std::int64_t n, A factor, A uniform, A* z) {
+  std::int64_t j = 0;
+#if LCE_VECTOR_PACKS
+  if constexpr (std::is_same_v<A, float>) {
+    constexpr int lanes = pack_lanes<float>;
+    for (; j + lanes <= n; j += lanes) store_pack(z + j, widen_bf16_pack(ratios + j) * factor + uniform);
+  }
+#endif
+  for (; j < n; ++j) z[j] = static_cast<A>(static_cast<float>(ratios[j])) * factor + uniform;
+}
+
 template <class A>
 void zero_row(A* z, std::int64_t n) {
   for (std::int64_t j = 0; j < n; ++j) z[j] = A(0);
