@@ -517,19 +517,19 @@ class engine {
     const auto& tiles = call.vocab_tiles;
     for_vocabulary_tiles(sweep, whole, call, [&](const Chunk_& slice, std::size_t tile) {
       const bool as_ratios = keep_in.data && tiles.ratios;
-      const bool from_exps = as_ratios && exp_ratios && tiles.kept(tile);
+      const bool ratios_kept = as_ratios && tiles.kept(tile);
       const auto* partials =
           sweep.tile_statistics(keep_in.data && !as_ratios ? logits_kept_in(keep_in, slice, call, tile) : slice,
-                                tile == 0, with_entropy, with_mean_logit, from_exps);
+                                tile == 0, with_entropy, with_mean_logit, ratios_kept && exp_ratios);
       if constexpr (keeps_ratios) {
-        const auto block = matrix_view<const Compute>(slice.logits);
-        if (from_exps) {
-          if constexpr (keeps_exp_ratios<Backend>)
-            backend_.keep_exp_ratios(block, partials, ratios_kept_in(keep_in, slice, call, tile),
-                                     ratio_centres_of(keep_in, call, tile));
-        } else if (as_ratios && tiles.kept(tile)) {
-          backend_.keep_logit_ratios(block, ratios_kept_in(keep_in, slice, call, tile),
-                                     ratio_centres_of(keep_in, call, tile));
+        if (ratios_kept) {
+          const auto block = matrix_view<const Compute>(slice.logits);
+          const auto ratios = ratios_kept_in(keep_in, slice, call, tile);
+          Compute* const centres = ratio_centres_of(keep_in, call, tile);
+          if constexpr (keeps_exp_ratios<Backend>) {
+            if (exp_ratios) return backend_.keep_exp_ratios(block, partials, ratios, centres);
+          }
+          backend_.keep_logit_ratios(block, ratios, centres);
         }
       }
     });

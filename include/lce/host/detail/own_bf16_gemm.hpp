@@ -794,8 +794,19 @@ LCE_BF16_KERNEL_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int
         const std::int64_t slice = sliced ? l1_slice_steps : steps;
         for (std::int64_t s0 = 0; s0 < steps; s0 += slice) {
           const std::int64_t slice_steps = std::min(slice, steps - s0);
-          const a_tiles slice_of_a{{a_half[0] + s0 * tile_elements, a_half[1] + s0 * tile_elements}, tile_elements, 64};
-          const a_run packed_slice{slice_of_a, s0, slice_steps, s0 + slice_steps == steps ? last_pairs : 16};
+          // A's runs for this slice, the same for every panel of B.
+          a_run runs[2];
+          int count = 0;
+          if (direct) {
+            runs[count++] = {in_place, 0, full_steps};
+            if (full_steps < steps) runs[count++] = {packed, full_steps, 1, last_pairs};  // from a_half, advance 0
+          } else {
+            const a_tiles slice_of_a{{a_half[0] + s0 * tile_elements, a_half[1] + s0 * tile_elements},
+                                     tile_elements, 64};
+            runs[count++] = {slice_of_a, s0, slice_steps, s0 + slice_steps == steps ? last_pairs : 16};
+            if constexpr (split)
+              runs[count++] = {{{a_lo_half[0], a_lo_half[1]}, tile_elements, 64}, 0, steps, last_pairs};
+          }
           for (std::int64_t p = 0; p < these_panels; ++p) {
             const std::int64_t col = n0 + p * 32;
             // The C block c_blocks_ahead on, where C is read: from memory (dW's C is 4 MiB) it
@@ -816,16 +827,6 @@ LCE_BF16_KERNEL_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int
             const bool from_c = c_in_place && (s0 > 0 || !first || beta == 1.0f);
             const u16* const b0 = b_stream(2 * p);
             const u16* const b1 = b_stream(2 * p + 1);
-            a_run runs[2];
-            int count = 0;
-            if (direct) {
-              runs[count++] = {in_place, 0, full_steps};
-              if (full_steps < steps) runs[count++] = {packed, full_steps, 1, last_pairs};  // from a_half, advance 0
-            } else {
-              runs[count++] = packed_slice;
-              if constexpr (split)
-                runs[count++] = {{{a_lo_half[0], a_lo_half[1]}, tile_elements, 64}, 0, steps, last_pairs};
-            }
             float* const sum_to = c_in_place ? reinterpret_cast<float*>(c_block) : block;
             const std::int64_t sum_ld = c_in_place ? ldc : 32;
             const float* const sum_from = from_c ? sum_to : nullptr;
