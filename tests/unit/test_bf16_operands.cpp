@@ -118,6 +118,26 @@ struct bf16_operands_env {
   static constexpr double gradient_operand_floor = std::is_same_v<T, lce::bfloat16> ? 0x1p-134 : 0.0;
 };
 
+// The same provider, saying its bf16 GEMM runs as fast against memory as lce's kernel on AMX
+// tiles (gemm_provider.hpp: bf16_gemm_flops_per_memory_byte), where a pass over memory costs
+// more logits computed again than the default's.
+struct amx_paced_loop_gemm : loop_bf16_operand_gemm {
+  double bf16_gemm_flops_per_memory_byte() const { return lce::detail::amx_gemm_flops_per_memory_byte; }
+};
+
+struct amx_paced_bf16_operands_env {
+  static constexpr const char* name = "host, bf16 operands, paced as AMX";
+
+  template <class T, class Chunk = lce::budget_chunk>
+  static lce::ChunkedHiddenToLogprobs<lce::comm::single, T, Chunk, lce::basic_host<amx_paced_loop_gemm>> make_op(
+      const lce::options& opt, int threads = 0) {
+    return lce::ChunkedHiddenToLogprobs<lce::comm::single, T, Chunk, lce::basic_host<amx_paced_loop_gemm>>(
+        lce::comm::single{}, opt, lce::basic_host<amx_paced_loop_gemm>(amx_paced_loop_gemm{shared_provider()}, threads));
+  }
+};
+
+static_assert(lce::default_gemm_flops_per_memory_byte < lce::detail::amx_gemm_flops_per_memory_byte);
+
 // lce's own provider with bf16_operands (lce::host_bf16_operands): the chosen bf16 kernel
 // (lce's AMX kernel on this CPU if it has AMX, oneDNN where linked and AMX is missing, else
 // widening), with the same tolerance for dz's rounding.
@@ -453,7 +473,9 @@ TEST_CASE("bf16 operands: a long forward_backward takes three GEMMs, its dW sum 
 // gradient (log-probs, entropy, lse, mean logit; the entropy's row term is kept from the
 // first sweep for the second), a temperature and a soft-cap, grad_weight NaN before: against
 // the materialised reference in long double; the same bits on 1 and 2 threads; through the
-// counting provider and lce's own (lce::host_bf16_operands).
+// counting provider and lce's own (lce::host_bf16_operands). A provider whose GEMMs outrun
+// memory as AMX tiles do takes the vocabulary order instead (tail_sweep_cost: the chunks'
+// passes over the sum cost more than its logits computed again), with the same values.
 TEST_CASE("bf16 operands: a long forward_backward sums most of dW in the token order and sweeps its tail again") {
   using T = lce::bfloat16;
   constexpr std::int64_t n = 2304, h = 16, v = 7000;
@@ -520,6 +542,17 @@ TEST_CASE("bf16 operands: a long forward_backward sums most of dW in the token o
   CHECK(one_thread.gh.bytes() == counted.gh.bytes());
   CHECK(one_thread.lp.bytes() == counted.lp.bytes());
   check(run(cblas_bf16_operands_env{}, 2));
+
+  {
+    const std::int64_t paced_before = shared_calls().logits_elements.load();
+    const result paced = run(amx_paced_bf16_operands_env{}, 2);
+    const std::int64_t paced_logits = shared_calls().logits_elements.load() - paced_before;
+    CAPTURE(paced_logits);
+    // The vocabulary order: every logit twice, but those of the tile its block still holds.
+    CHECK(paced_logits > n * v + n * (v / 2));
+    CHECK(paced_logits <= 2 * n * v);
+    check(paced);
+  }
 
   // With a bias: the reference is the same call with one more hidden column, 1 for every
   // token, whose weight column is the bias (the bias joins the raw logit); its dW column is db.

@@ -173,6 +173,25 @@ constexpr std::size_t vocabulary_block_bytes() {
     return std::size_t{16} << 20;
 }
 
+// How fast a backend's GEMMs for operands of type T run against its memory: the flops they do
+// in the time a pass through memory moves one byte (the machine's balance). A plan that trades
+// passes over an fp32 sum against logits computed again weighs the two with it (detail/engine.hpp:
+// tail_sweep_cost). A backend that leaves out
+// `template <class T> double gemm_flops_per_memory_byte() const;` gets
+// default_gemm_flops_per_memory_byte: a CPU whose GEMMs run a few hundred GFLOP/s on two cores
+// (AVX-512 sgemm, AVX512-BF16 on an AMD Zen 4) against some 25 GB/s of passes.
+inline constexpr double default_gemm_flops_per_memory_byte = 16.0;
+
+template <class T, class Backend>
+double gemm_flops_per_memory_byte(const Backend& backend) {
+  if constexpr (requires {
+                  { backend.template gemm_flops_per_memory_byte<T>() } -> std::convertible_to<double>;
+                })
+    return backend.template gemm_flops_per_memory_byte<T>();
+  else
+    return default_gemm_flops_per_memory_byte;
+}
+
 // The chunk rows from which a bigger chunk buys this backend little but
 // memory: budget_chunk stops there (chunk_request::enough_rows). Each chunk
 // costs a read-modify-write of the [V_local, H] dW, against 6 C V_local H

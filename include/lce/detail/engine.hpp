@@ -1552,10 +1552,27 @@ class engine {
     if (auto whole_sum = accumulator_in_grad_weight_plan<G>(n_tokens, hidden, vocab_local, set_size))
       return *whole_sum;
     const auto tail = tail_sweep_plan<G>(n_tokens, hidden, vocab_local, set_size);
-    if (tail && recomputed_logit_columns<G>(*tail, n_tokens, hidden, vocab_local) + vocab_local / tail_margin <
-                    recomputed_logit_columns<G>(base, n_tokens, hidden, vocab_local))
+    if (tail && tail_sweep_cost(*tail, n_tokens, vocab_local) <
+                    static_cast<double>(recomputed_logit_columns<G>(base, n_tokens, hidden, vocab_local)))
       return *tail;
     return base;
+  }
+
+  // What the tail's plan costs beyond three GEMMs, in logit columns computed again (2 N H flops
+  // each): its tail rows, and its chunks' passes over the sum's other rows, each read and
+  // written in the compute type, weighed by the backend's gemm_flops_per_memory_byte. Against
+  // the vocabulary order's columns computed again, where the GEMMs outrun memory the order
+  // without passes wins. Measured through lce_torch (bf16, H 1,024, 2 threads, warm memory) on
+  // a Xeon with AMX (80), vocabulary order / tail: 494 / 579 ms at V 32,000 and N 3,072,
+  // 665 / 795 ms at N 4,096 (logits kept as ratios), 1,003 / 1,115 ms at N 6,144 (none kept);
+  // 2.08 / 2.59 s at V 128,256 and N 3,072, 2.80 / 3.52 s at N 4,096; each with less memory.
+  // On an AMD Zen 4 (16) the tail won at N 4,096-8,192 (docs/performance.md).
+  double tail_sweep_cost(const gradient_plan& tail, std::int64_t n_tokens, std::int64_t vocab_local) const {
+    const auto chunks = static_cast<double>(ceil_div(n_tokens, tail.plan.local_chunk));
+    const auto sum_rows = static_cast<double>(vocab_local - tail.tail_rows);
+    return static_cast<double>(tail.tail_rows) + chunks * sum_rows * static_cast<double>(sizeof(Compute)) *
+                                                      gemm_flops_per_memory_byte<T>(backend_) /
+                                                      static_cast<double>(n_tokens);
   }
 
   // Where the whole sum does not fit the limit, the token order may still hold the part of it that
@@ -1564,10 +1581,9 @@ class engine {
   // sum is rounded out of the storage (tail_gradient). Its chunks are of the backend's
   // min_efficient_chunk_rows, so that the limit leaves the most for the sum, and the tail's tiles
   // as wide as the chunks' block holds, at most vocabulary_tile_min_columns. Taken over the
-  // vocabulary order (with or without logits kept) where it computes tail_margin-ths of the
-  // logits fewer again: 3 + tail / V GEMMs (about 3.5 at N 4,096, H 1,024, V 32,000 and a tenth
-  // of the logits' memory) against 3 + H / N (3.75) or 4.
-  static constexpr std::int64_t tail_margin = 16;
+  // vocabulary order (with or without logits kept) where it costs less (tail_sweep_cost):
+  // 3 + tail / V GEMMs (about 3.3 at N 4,096, H 1,024, V 32,000 and a tenth of the logits'
+  // memory) and a pass over most of the sum every chunk, against about 3.75 or 4 GEMMs.
   static constexpr std::int64_t tail_least_columns = 512;
 
   template <class G>

@@ -45,7 +45,12 @@ struct cblas_gemm {
     detail::run_bf16_gemm(detail::chosen_bf16_gemm_kernel(), ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
   }
 
+  double bf16_gemm_flops_per_memory_byte() const {
+    return detail::bf16_gemm_flops_per_memory_byte(detail::chosen_bf16_gemm_kernel());
+  }
+
   // A in fp32 as hi + lo (gemm_provider.hpp): lce's own kernel, which splits A as it packs it.
+
   bool split_bf16_gemm_available() const { return own_unit().has_value(); }
 
   template <class B>

@@ -54,6 +54,14 @@
 // a pass of its own and dW as an fp32 GEMM: the hi + lo precision, with no scratch (lce's
 // AMX kernel splits A as it packs it).
 //
+// Optional, with the bf16 GEMM: how fast it runs against memory, as the flops it does in the
+// time a pass through memory moves one byte (core/backend.hpp: gemm_flops_per_memory_byte):
+//
+//   double bf16_gemm_flops_per_memory_byte() const;
+//
+// The host backend reports it for a bfloat16 operator's GEMMs where bf16_gemm_available();
+// without it, default_gemm_flops_per_memory_byte. lce::cblas_gemm says 80 on AMX tiles.
+//
 // Optional, with the bf16 GEMM: `static constexpr bool bf16_operands = true;`
 // Then a bfloat16 operator runs all three GEMMs of a chunk as bf16 x bf16 ->
 // fp32: the hidden rows as stored (never widened), and dz rounded once to

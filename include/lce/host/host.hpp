@@ -152,6 +152,19 @@ class basic_host {
   // 512-column ones 3-8% more for a quarter less again.
   static constexpr std::int64_t min_efficient_vocabulary_tile = 1024;
 
+  // How fast a T operator's GEMMs run against memory (core/backend.hpp): the provider's own
+  // figure where they run on its bf16 GEMM (gemm_provider.hpp), else the default.
+  template <class T>
+  double gemm_flops_per_memory_byte() const {
+    if constexpr (std::same_as<std::remove_cv_t<T>, bfloat16> && bf16_gemm_provider<Gemm> &&
+                  requires(const Gemm& g) {
+                    { g.bf16_gemm_flops_per_memory_byte() } -> std::convertible_to<double>;
+                  }) {
+      if (bf16_operands || gemm_.bf16_gemm_available()) return gemm_.bf16_gemm_flops_per_memory_byte();
+    }
+    return default_gemm_flops_per_memory_byte;
+  }
+
   // Large blocks get transparent huge pages where the kernel offers them
   // (detail/huge_pages.hpp), unless this backend was made with scratch_pages::base.
   void* allocate(std::size_t bytes) {

@@ -220,6 +220,14 @@ struct torch_gemm {
   // Not asked with bf16_operands (bf16_gemm runs everywhere); true where lce's or MKL's kernels run.
   bool bf16_gemm_available() const { return detail::choose_bf16_kernel() != detail::bf16_kernel::widen; }
 
+  // lce's kernel and MKL's both run on AMX tiles where the CPU has them (bf16_gemm_choice.hpp).
+  double bf16_gemm_flops_per_memory_byte() const {
+    const detail::bf16_kernel kernel = detail::choose_bf16_kernel();
+    const bool on_amx = kernel == detail::bf16_kernel::amx ||
+                        (kernel == detail::bf16_kernel::mkl && lce::detail::amx_bf16_gemm_available());
+    return on_amx ? lce::detail::amx_gemm_flops_per_memory_byte : lce::default_gemm_flops_per_memory_byte;
+  }
+
   void bf16_gemm(lce::transpose ta, lce::transpose tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
                  const lce::bfloat16* a, std::int64_t lda, const lce::bfloat16* b, std::int64_t ldb, float beta,
                  float* c, std::int64_t ldc) const {
