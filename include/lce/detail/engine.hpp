@@ -1562,11 +1562,11 @@ class engine {
   // each): its tail rows, and its chunks' passes over the sum's other rows, each read and
   // written in the compute type, weighed by the backend's gemm_flops_per_memory_byte. Against
   // the vocabulary order's columns computed again, where the GEMMs outrun memory the order
-  // without passes wins. Measured through lce_torch (bf16, H 1,024, 2 threads, warm memory) on
-  // a Xeon with AMX (80), vocabulary order / tail: 494 / 579 ms at V 32,000 and N 3,072,
-  // 665 / 795 ms at N 4,096 (logits kept as ratios), 1,003 / 1,115 ms at N 6,144 (none kept);
-  // 2.08 / 2.59 s at V 128,256 and N 3,072, 2.80 / 3.52 s at N 4,096; each with less memory.
-  // On an AMD Zen 4 (16) the tail won at N 4,096-8,192 (docs/performance.md).
+  // without passes wins. Through lce_torch (bf16, H 1,024, 2 threads, warm memory) on a Xeon
+  // with AMX (80), vocabulary order (logits kept as ratios) / tail: 0.48 / 0.54 s at V 32,000
+  // and N 3,072, 0.62 / 0.69 s at N 4,096, 1.86 / 2.51 s at V 128,256 and N 3,072, 2.70 /
+  // 3.47 s at N 4,096, with less memory (23 / 39 MiB at V 32,000, N 3,072); level at N 6,144
+  // (none kept). On an AMD Zen 4 (16) the tail had won at N 4,096-8,192 (docs/performance.md).
   double tail_sweep_cost(const gradient_plan& tail, std::int64_t n_tokens, std::int64_t vocab_local) const {
     const auto chunks = static_cast<double>(ceil_div(n_tokens, tail.plan.local_chunk));
     const auto sum_rows = static_cast<double>(vocab_local - tail.tail_rows);
