@@ -464,6 +464,24 @@ TEST_CASE("bf16 operands: a long forward_backward takes three GEMMs, its dW sum 
   CHECK(worst_gw <= 3 * 0x1p-8 * largest_gw);
 }
 
+// The pace the host reports for a T operator's GEMMs: its provider's for bf16 where they run on
+// its bf16 GEMM, the default otherwise (float and float16 are widened for the fp32 GEMM).
+TEST_CASE("gemm_flops_per_memory_byte: the provider's bf16 figure, 80 on AMX tiles, else the default") {
+  const auto kernel = lce::detail::chosen_bf16_gemm_kernel();
+  const bool on_amx = kernel == lce::detail::bf16_gemm_kernel::amx ||
+                      (kernel == lce::detail::bf16_gemm_kernel::onednn && lce::detail::amx_bf16_gemm_available());
+  CAPTURE(lce::detail::bf16_gemm_description(kernel));
+  const lce::host_bf16_operands lce_own(1);
+  CHECK(lce::gemm_flops_per_memory_byte<lce::bfloat16>(lce_own) == (on_amx ? 80.0 : 16.0));
+  CHECK(lce::gemm_flops_per_memory_byte<float>(lce_own) == lce::default_gemm_flops_per_memory_byte);
+  const bf16_operand_host loops(shared_provider(), 1);  // a provider without a figure of its own
+  CHECK(lce::gemm_flops_per_memory_byte<lce::bfloat16>(loops) == lce::default_gemm_flops_per_memory_byte);
+  const lce::basic_host<amx_paced_loop_gemm> paced(amx_paced_loop_gemm{shared_provider()}, 1);
+  CHECK(lce::gemm_flops_per_memory_byte<lce::bfloat16>(paced) == lce::detail::amx_gemm_flops_per_memory_byte);
+  CHECK(lce::gemm_flops_per_memory_byte<lce::float16>(paced) == lce::default_gemm_flops_per_memory_byte);
+  CHECK(lce::gemm_flops_per_memory_byte<float>(paced) == lce::default_gemm_flops_per_memory_byte);
+}
+
 // Where the whole dW sum does not fit a tenth of the call's fp32 logits and the budget, the
 // token order holds the part of it that grad_weight's storage and the rest of the limit do,
 // and a second sweep makes the dW of the shard's last rows, every token at once, their
