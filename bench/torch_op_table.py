@@ -18,15 +18,21 @@ def ratio_text(x):
     return f"{x:.2f}" if x >= 0.1 else f"{x:.2g}"  # two significant digits below 0.1
 
 
+def seconds_text(x):
+    return f"{x:.3f} s" if x < 1 else f"{x:.2f} s"  # three significant digits at least
+
+
 def table(results):
     rows = {}
     for r in results:
         rows.setdefault((r["dtype"], r["vocab"], r["tokens"], r["threads"]), {})[r["path"]] = r
     seen = {p for cells in rows.values() for p in cells}
     paths = [p for p in ORDER if p in seen] + sorted(seen - set(ORDER))
+    # Warm-allocator runs do not measure memory: no memory column then.
+    with_memory = any(r["peak_extra_bytes"] is not None for r in results)
     lines = ["| dtype | V | N | threads | " + " | ".join(TITLES.get(p, p) for p in paths) +
-             " | lce / plain time (min; median) | plain / lce memory |",
-             "|---|---:|---:|---:|" + "---:|" * len(paths) + "---:|---:|"]
+             " | lce / plain time (min; median) |" + (" plain / lce memory |" if with_memory else ""),
+             "|---|---:|---:|---:|" + "---:|" * len(paths) + "---:|" + ("---:|" if with_memory else "")]
     for (dtype, v, n, threads), cells in rows.items():
         fastest = min(c["wall_s"] for c in cells.values())
         shown = []
@@ -35,7 +41,7 @@ def table(results):
             if c is None:
                 shown.append("")
                 continue
-            text = f"{c['wall_s']:.2f} s"
+            text = seconds_text(c['wall_s'])
             if c["peak_extra_bytes"] is not None:
                 text += f", {c['peak_extra_bytes'] / 2**20:.0f} MiB"
             shown.append(f"**{text}**" if c["wall_s"] == fastest else text)
@@ -47,7 +53,8 @@ def table(results):
                 ratio += "; " + ratio_text(lce['median_wall_s'] / plain['median_wall_s'])
             if plain["peak_extra_bytes"] is not None and lce["peak_extra_bytes"] is not None:
                 memory = f"{plain['peak_extra_bytes'] / max(lce['peak_extra_bytes'], 1):.1f}x"
-        lines.append(f"| {dtype} | {v:,} | {n:,} | {threads} | " + " | ".join(shown) + f" | {ratio} | {memory} |")
+        lines.append(f"| {dtype} | {v:,} | {n:,} | {threads} | " + " | ".join(shown) + f" | {ratio} |" +
+                     (f" {memory} |" if with_memory else ""))
     return "\n".join(lines)
 
 
