@@ -8,17 +8,19 @@
 //   avx512  AVX512-BF16's VDPBF16PS in zmm registers (AMD Zen 4 and later,
 //           Intel Cooper Lake; AMX Xeons have it too)
 //
-// Why lce has its own: the bf16 GEMMs a library user can link do not reach
-// what the CPU allows at lce's shapes. On a 2-core AMX Xeon, at the three
-// GEMMs of a chunk of 512 tokens (H 1,024, V 32,000), MKL's
-// cblas_gemm_bf16bf16f32 ran 103 ms and the oneDNN 3.2 wheel 107 ms on two
-// threads, while PyTorch's own bf16 matmuls (a newer oneDNN inside
-// libtorch_cpu, bf16 out, not callable with an fp32 output) ran 64 ms; this
-// kernel on the tiles runs them in 66-71 ms (bench/bf16_gemm.cpp's `lce amx`
-// rows; on another such Xeon, model 167, 84 ms before packed A went through
-// L1 in slices, l1_slice_steps, and 77-80 ms since, where oneDNN 2.6 ran
-// 109-111 ms; PyTorch 2.13's, oneDNN 3.12, 52 ms there where this kernel ran 75: its
-// dX and dW are the ones to catch up). On a 2-core AMD EPYC (Zen 5), MKL's runs 205-228 GFLOP/s on two
+// Why lce has its own: lce needs an fp32 output (its logits, row sums and dX
+// summed over vocabulary tiles), and the bf16 GEMMs with one that a library
+// user can link do not reach what the CPU allows at lce's shapes. On a 2-core
+// AMX Xeon, at the three GEMMs of a chunk of 512 tokens (H 1,024, V 32,000),
+// MKL's cblas_gemm_bf16bf16f32 ran 103 ms and the oneDNN 3.2 wheel 107 ms on
+// two threads; this kernel on the tiles runs them in 66-71 ms
+// (bench/bf16_gemm.cpp's `lce amx` rows). On another such Xeon, model 167: 84
+// ms before packed A went through L1 in slices (l1_slice_steps), 75-80 ms
+// since, where Debian's oneDNN 2.6 ran 109-111 ms and MKL 90 ms. PyTorch's
+// own bf16 matmuls (the oneDNN inside libtorch_cpu, bf16 output only, not
+// callable with an fp32 one) ran 64 ms on the first Xeon and, in PyTorch 2.13
+// (oneDNN 3.12), 52 ms on the second: this kernel's dX and dW are the ones to
+// catch up. On a 2-core AMD EPYC (Zen 5), MKL's runs 205-228 GFLOP/s on two
 // threads (it does not use AVX512-BF16 there), PyTorch's own 784-893, Debian's
 // oneDNN 2.6 832 / 717 / 694 (logits / dX / dW at 512 tokens), and this kernel
 // on AVX512-BF16 886 / 844 / 701 (bench/bf16_gemm.cpp's `lce avx512` rows). The host
