@@ -438,12 +438,60 @@ struct a_tiles {
   std::int64_t advance, stride;
 };
 
+// Rows first_row .. end_row - 1 of C[0:rows, 0:cols] = bf16(alpha block + beta C), C bf16 (u16
+// bits), beta 0 (C not read) or 1, block 32 x 32 row-major: each element widened, added to in
+// fp32 and rounded once, as detail::add_span adds an fp32 sum into a bfloat16 span (so the two
+// give the same bits).
+LCE_BF16_KERNEL_TARGET inline void round_block_rows_into(const float* block, std::int64_t first_row,
+                                                         std::int64_t end_row, std::int64_t cols, float alpha,
+                                                         float beta, u16* c, std::int64_t ldc) {
+  const __m512 va = _mm512_set1_ps(alpha);
+  for (std::int64_t r = first_row; r < end_row; ++r) {
+    for (std::int64_t j = 0; j < cols; j += 16) {
+      const std::int64_t left = cols - j;
+      const __mmask16 mask = left >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << left) - 1);
+      __m512 v = _mm512_loadu_ps(block + r * 32 + j);
+      if (alpha != 1.0f) v = _mm512_mul_ps(va, v);
+      u16* const out = c + r * ldc + j;
+      if (beta != 0.0f) {
+        const __m512i old_bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, out));
+        v = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(old_bits, 16)), v);
+      }
+      _mm256_mask_storeu_epi16(out, mask, to_bf16(v));
+    }
+  }
+}
+
+// A finished block of a bf16 C, rounded into C a few rows at a time between the next block's
+// steps on the tiles, so that this vector work runs while the tiles multiply. Rounded right
+// after its own products, each block's rounding waited for its tile stores, and the tiles
+// idled until it was done: dW of 512 tokens into a bf16 C (H 1,024, V 32,000, one AMX
+// core) took 54-56 ms so, against 49 ms spread (the bits are the same).
+struct deferred_rounding {
+  const float* block = nullptr;
+  std::int64_t rows = 0, cols = 0, done = 0;
+  float alpha = 1.0f, beta = 0.0f;
+  u16* c = nullptr;
+  std::int64_t ldc = 0;
+
+  LCE_BF16_KERNEL_TARGET void round_rows(std::int64_t count) {
+    const std::int64_t end = std::min(rows, done + count);
+    round_block_rows_into(block, done, end, cols, alpha, beta, c, ldc);
+    done = end;
+  }
+  LCE_BF16_KERNEL_TARGET void finish() { round_rows(rows - done); }
+  // Rows per step that finish the block within `steps` steps.
+  std::int64_t rows_per_step(std::int64_t steps) const { return steps > 0 ? (rows - done + steps - 1) / steps : 0; }
+};
+
 // C tiles 0-3 += A(steps) x B(steps); b0, b1 packed (consecutive tiles per step). No
 // software prefetch: the 64 prefetches a step took the load ports the tile loads need. On a
 // 2-core AMX Xeon (model 167) the loop ran 1.57 TFLOP/s on one core with them, 2.10 without
 // (A and B in L1), and a bf16 step of lce_torch (N 1,024, H 1,024, V 32,000, 2 threads,
-// warm memory) 198-204 ms without against 214-216 ms with.
-LCE_BF16_KERNEL_TARGET inline void multiply_steps(const a_tiles& a, const u16* b0, const u16* b1, std::int64_t steps) {
+// warm memory) 198-204 ms without against 214-216 ms with. `pending`, where given, is rounded
+// into its C `rows_per_step` rows after each step.
+LCE_BF16_KERNEL_TARGET inline void multiply_steps(const a_tiles& a, const u16* b0, const u16* b1, std::int64_t steps,
+                                                  deferred_rounding* pending, std::int64_t rows_per_step) {
   for (std::int64_t s = 0; s < steps; ++s) {
     _tile_loadd(6, b0 + s * tile_elements, 64);
     _tile_loadd(4, a.half[0] + s * a.advance, a.stride);
@@ -453,6 +501,7 @@ LCE_BF16_KERNEL_TARGET inline void multiply_steps(const a_tiles& a, const u16* b
     _tile_loadd(5, a.half[1] + s * a.advance, a.stride);
     _tile_dpbf16ps(2, 5, 6);
     _tile_dpbf16ps(3, 5, 7);
+    if (pending) pending->round_rows(rows_per_step);
   }
 }
 
@@ -467,10 +516,11 @@ struct a_run {
 };
 
 // C's 32 x 32 block `to` (rows ld_to floats apart) = `from` (or zero where null) plus the
-// products of every run, on the unit: AMX tiles 0-3, or AVX512-BF16 in zmm registers.
+// products of every run, on AMX tiles 0-3; the block `pending`, where given, rounded into its C
+// meanwhile.
 LCE_BF16_KERNEL_TARGET inline void block_product_on_tiles(const a_run* runs, int count, const u16* b0, const u16* b1,
                                                   const float* from, std::int64_t ld_from, float* to,
-                                                  std::int64_t ld_to) {
+                                                  std::int64_t ld_to, deferred_rounding* pending) {
   if (from) {
     load_c_tiles(from, ld_from);
   } else {
@@ -479,9 +529,13 @@ LCE_BF16_KERNEL_TARGET inline void block_product_on_tiles(const a_run* runs, int
     _tile_zero(2);
     _tile_zero(3);
   }
+  std::int64_t steps = 0;
+  for (int r = 0; r < count; ++r) steps += runs[r].steps;
+  const std::int64_t rows_per_step = pending ? pending->rows_per_step(steps) : 0;
   for (int r = 0; r < count; ++r)
     multiply_steps(runs[r].a, b0 + runs[r].first_step * tile_elements, b1 + runs[r].first_step * tile_elements,
-                   runs[r].steps);
+                   runs[r].steps, pending, rows_per_step);
+  if (pending) pending->finish();
   store_c_tiles(to, ld_to);
 }
 
@@ -557,28 +611,6 @@ LCE_BF16_KERNEL_TARGET inline void block_product_on_vectors(const a_run* runs, i
   constexpr int group = 8;
   for (int row0 = 0; row0 < rows; row0 += group)
     rows_product_on_vectors<group>(runs, count, b0, b1, row0, from, ld_from, to, ld_to);
-}
-
-// C[0:rows, 0:cols] = bf16(alpha block + beta C), C bf16 (u16 bits), beta 0 (C not read) or 1,
-// block 32 x 32 row-major: each element widened, added to in fp32 and rounded once, as
-// detail::add_span adds an fp32 sum into a bfloat16 span (so the two give the same bits).
-LCE_BF16_KERNEL_TARGET inline void round_block_into(const float* block, std::int64_t rows, std::int64_t cols, float alpha,
-                                            float beta, u16* c, std::int64_t ldc) {
-  const __m512 va = _mm512_set1_ps(alpha);
-  for (std::int64_t r = 0; r < rows; ++r) {
-    for (std::int64_t j = 0; j < cols; j += 16) {
-      const std::int64_t left = cols - j;
-      const __mmask16 mask = left >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << left) - 1);
-      __m512 v = _mm512_loadu_ps(block + r * 32 + j);
-      if (alpha != 1.0f) v = _mm512_mul_ps(va, v);
-      u16* const out = c + r * ldc + j;
-      if (beta != 0.0f) {
-        const __m512i old_bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, out));
-        v = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(old_bits, 16)), v);
-      }
-      _mm256_mask_storeu_epi16(out, mask, to_bf16(v));
-    }
-  }
 }
 
 // C[0:rows, 0:cols] = alpha block + beta C (beta = 0: C is not read), block 32 x 32 row-major.
@@ -732,7 +764,11 @@ LCE_BF16_KERNEL_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int
   };
   u16* const a_half[2] = {a_pack, a_pack + cut.stream + kib};
   u16* const a_lo_half[2] = {a_half[0] + cut.pair_stride, a_half[1] + cut.pair_stride};
-  alignas(64) float block[32 * 32];
+  // Blocks of C that go through a buffer: two, so that on AMX a bf16 C's block is rounded in
+  // while the next one multiplies (deferred_rounding).
+  alignas(64) float blocks[2][32 * 32];
+  int next_buffer = 0;
+  deferred_rounding pending_rounding;
 
   if constexpr (Unit == bf16_unit::amx) load_tile_config();
   for (std::int64_t n0 = 0; n0 < n; n0 += cut.columns) {
@@ -832,25 +868,35 @@ LCE_BF16_KERNEL_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int
             // In place, the block starts from C's sum so far (beta = 1, or a later depth block);
             // otherwise from zero, this depth block's sum going through `block`.
             const bool from_c = c_in_place && (s0 > 0 || !first || beta == 1.0f);
+            float* const block = blocks[next_buffer];
             const u16* const b0 = b_stream(2 * p);
             const u16* const b1 = b_stream(2 * p + 1);
             float* const sum_to = c_in_place ? reinterpret_cast<float*>(c_block) : block;
             const std::int64_t sum_ld = c_in_place ? ldc : 32;
             const float* const sum_from = from_c ? sum_to : nullptr;
-            if constexpr (Unit == bf16_unit::amx)
-              block_product_on_tiles(runs, count, b0, b1, sum_from, sum_ld, sum_to, sum_ld);
-            else
+            const std::int64_t cols = std::min<std::int64_t>(32, n - col);
+            if constexpr (Unit == bf16_unit::amx) {
+              block_product_on_tiles(runs, count, b0, b1, sum_from, sum_ld, sum_to, sum_ld,
+                                     rounds_into_bf16 ? &pending_rounding : nullptr);
+              if constexpr (rounds_into_bf16) {
+                pending_rounding = {block, rows, cols, 0, alpha, beta, c_block, ldc};
+                next_buffer ^= 1;
+              }
+            } else {
               block_product_on_vectors(runs, count, b0, b1, rows, sum_from, sum_ld, sum_to, sum_ld);
-            if constexpr (rounds_into_bf16)
-              round_block_into(block, rows, std::min<std::int64_t>(32, n - col), alpha, beta, c_block, ldc);
-            else if (!c_in_place)
-              add_block(block, rows, std::min<std::int64_t>(32, n - col), alpha, first ? beta : 1.0f, c_block, ldc);
+              if constexpr (rounds_into_bf16) round_block_rows_into(block, 0, rows, cols, alpha, beta, c_block, ldc);
+            }
+            if constexpr (!rounds_into_bf16)
+              if (!c_in_place) add_block(block, rows, cols, alpha, first ? beta : 1.0f, c_block, ldc);
           }
         }
       }
     }
   }
-  if constexpr (Unit == bf16_unit::amx) _tile_release();
+  if constexpr (Unit == bf16_unit::amx) {
+    pending_rounding.finish();
+    _tile_release();
+  }
 }
 
 // The most packed A takes: two streams of a 1,024-deep block and their offsets, twice for a
