@@ -765,7 +765,7 @@ LCE_BF16_KERNEL_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int
   u16* const a_half[2] = {a_pack, a_pack + cut.stream + kib};
   u16* const a_lo_half[2] = {a_half[0] + cut.pair_stride, a_half[1] + cut.pair_stride};
   // Blocks of C that go through a buffer: two, so that on AMX a bf16 C's block is rounded in
-  // while the next one multiplies (deferred_rounding).
+  // while the next one multiplies (deferred_rounding; the vector unit rounds each at once).
   alignas(64) float blocks[2][32 * 32];
   int next_buffer = 0;
   deferred_rounding pending_rounding;
@@ -875,28 +875,27 @@ LCE_BF16_KERNEL_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int
             const std::int64_t sum_ld = c_in_place ? ldc : 32;
             const float* const sum_from = from_c ? sum_to : nullptr;
             const std::int64_t cols = std::min<std::int64_t>(32, n - col);
-            if constexpr (Unit == bf16_unit::amx) {
+            if constexpr (Unit == bf16_unit::amx)
               block_product_on_tiles(runs, count, b0, b1, sum_from, sum_ld, sum_to, sum_ld,
                                      rounds_into_bf16 ? &pending_rounding : nullptr);
-              if constexpr (rounds_into_bf16) {
-                pending_rounding = {block, rows, cols, 0, alpha, beta, c_block, ldc};
-                next_buffer ^= 1;
-              }
-            } else {
+            else
               block_product_on_vectors(runs, count, b0, b1, rows, sum_from, sum_ld, sum_to, sum_ld);
-              if constexpr (rounds_into_bf16) round_block_rows_into(block, 0, rows, cols, alpha, beta, c_block, ldc);
+            if constexpr (rounds_into_bf16) {
+              // On the tiles, rounded in while the next block multiplies; on the vector unit,
+              // whose registers the products hold, now.
+              pending_rounding = {block, rows, cols, 0, alpha, beta, c_block, ldc};
+              if constexpr (Unit == bf16_unit::avx512) pending_rounding.finish();
+              next_buffer ^= 1;
+            } else if (!c_in_place) {
+              add_block(block, rows, cols, alpha, first ? beta : 1.0f, c_block, ldc);
             }
-            if constexpr (!rounds_into_bf16)
-              if (!c_in_place) add_block(block, rows, cols, alpha, first ? beta : 1.0f, c_block, ldc);
           }
         }
       }
     }
   }
-  if constexpr (Unit == bf16_unit::amx) {
-    pending_rounding.finish();
-    _tile_release();
-  }
+  pending_rounding.finish();
+  if constexpr (Unit == bf16_unit::amx) _tile_release();
 }
 
 // The most packed A takes: two streams of a 1,024-deep block and their offsets, twice for a
