@@ -362,6 +362,16 @@ LCE_BF16_KERNEL_TARGET inline void pack_a_tile(const strided& a, std::int64_t m,
   for (int r = 0; r < 16; ++r) _mm512_storeu_si512(out + r * 32, v[r]);
 }
 
+// 32 lines of 64 bytes, `stride` elements apart from `first`, into `stage` (32 x 32, contiguous).
+// Where two tiles' packing reads the two halves of the same lines (a step's 32 rows of dX's
+// weight, or of dW's dz^T), and the lines are 2 or 4 KiB apart (a row of H = 1,024 in bf16, or
+// dz over a 1,024-column tile's fp32 logits), the 32 lines fall in one or two of L1's sets,
+// over its 12 ways: the second tile went back to L2 for the lines the first had read. Copied
+// once, both tiles pack from L1.
+LCE_BF16_KERNEL_TARGET inline void stage_lines(const u16* first, std::int64_t stride, u16* stage) {
+  for (int r = 0; r < 32; ++r) _mm512_store_si512(stage + r * 32, _mm512_loadu_si512(first + r * stride));
+}
+
 // pack_b_tile for a B of floats holding bf16 values (dW's hidden rows, widened): rounded as packed.
 LCE_BF16_KERNEL_TARGET inline void pack_b_tile(const strided_of<float>& b, std::int64_t k, std::int64_t n, std::int64_t k0,
                                        std::int64_t n0, u16* out) {
@@ -798,10 +808,22 @@ LCE_BF16_KERNEL_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int
       if (b.col == 1) {
         // 32 rows at a time (a step's k), 16 columns each: the next step's rows are asked for
         // tile by tile, a whole step ahead (the prefetchers do not follow 32 streams either).
+        // A whole step of 32 columns (two tiles) is staged first (stage_lines).
         for (std::int64_t s = 0; s < steps; ++s)
-          for (std::int64_t p = 0; p < 2 * these_panels; ++p) {
-            prefetch_rows(b, k, k0 + (s + 1) * step, n0 + p * 16);
-            pack_b_tile(b, k, n, k0 + s * step, n0 + p * 16, b_stream(p) + s * tile_elements);
+          for (std::int64_t p = 0; p < 2 * these_panels; p += 2) {
+            const std::int64_t kk = k0 + s * step, col = n0 + p * 16;
+            prefetch_rows(b, k, kk + step, col);
+            prefetch_rows(b, k, kk + step, col + 16);
+            if (std::is_same_v<BElement, u16> && kk + step <= k && col + 32 <= n) {
+              alignas(64) u16 stage[32 * 32];
+              stage_lines(reinterpret_cast<const u16*>(b.at(kk, col)), b.row, stage);
+              const strided staged{stage, 32, 1};
+              pack_b_tile(staged, 32, 32, 0, 0, b_stream(p) + s * tile_elements);
+              pack_b_tile(staged, 32, 32, 0, 16, b_stream(p + 1) + s * tile_elements);
+            } else {
+              pack_b_tile(b, k, n, kk, col, b_stream(p) + s * tile_elements);
+              pack_b_tile(b, k, n, kk, col + 16, b_stream(p + 1) + s * tile_elements);
+            }
           }
       } else {
         // 16 columns at a time, each read along memory from its own row of the operand: the
@@ -835,9 +857,18 @@ LCE_BF16_KERNEL_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int
           // both halves' 16, so the second half's reads hit the lines the first just brought;
           // half by half they went back to L2 for them (dW of 512 tokens, H 1,024, V 32,000,
           // one AMX core: 49-52 ms against 52-53 ms).
-          for (std::int64_t s = 0; s < steps; ++s)
-            for (int h = 0; h < 2; ++h)
-              pack_a_tile(a, m, k, m0 + 16 * h, k0 + s * step, a_half[h] + s * tile_elements);
+          // A whole step of a transposed A is staged first (stage_lines).
+          for (std::int64_t s = 0; s < steps; ++s) {
+            const std::int64_t kk = k0 + s * step;
+            if (a.row == 1 && rows == 32 && kk + step <= k) {
+              alignas(64) u16 stage[32 * 32];
+              stage_lines(a.at(m0, kk), a.col, stage);
+              const strided staged{stage, 1, 32};
+              for (int h = 0; h < 2; ++h) pack_a_tile(staged, 32, 32, 16 * h, 0, a_half[h] + s * tile_elements);
+            } else {
+              for (int h = 0; h < 2; ++h) pack_a_tile(a, m, k, m0 + 16 * h, kk, a_half[h] + s * tile_elements);
+            }
+          }
         }
         packed_stores_done();
         const a_tiles packed{{a_half[0], a_half[1]}, direct ? 0 : tile_elements, 64};
