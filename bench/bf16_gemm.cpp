@@ -34,6 +34,12 @@
 //                  calls a provider: logits in vocabulary tiles of 2,000, dX in one piece of
 //                  columns per thread over the whole vocabulary, dW in vocabulary tiles of
 //                  1,024 (each only on a CPU with that unit)
+//   lce amx calls, the same kernel on lce_torch's own calls (traced at N = 512): per
+//   lce avx512 calls  vocabulary tile of 1,024 rows, each GEMM in two halves of 512 (one per
+//                  thread on two threads), logits into fp32 tiles, dX over dz kept in the
+//                  first half of each fp32 logit row (rows 4 KiB apart), dW into a bf16
+//                  weight gradient. bench/bf16_gemm_torch.py --lce-torch-calls times torch.mm
+//                  on the same calls
 // Then accuracy on sampled rows against a double-precision reference of the same inputs
 // (the bf16 values, and dz in fp32): max |error| / sum |a_i b_i| (the bound an fp32
 // accumulation keeps near 1e-7 and a bf16 one could not), and rms error / rms value.
@@ -229,6 +235,50 @@ int main(int argc, char** argv) {
                                  H, 1.0f, out + v0 * H, H);
   };
 
+  // lce_torch's own calls (traced at N = 512, H = 1,024, V = 32,000, on one and two threads):
+  // per vocabulary tile of 1,024 rows, each GEMM in two halves of 512, one per thread on two
+  // threads. Logits [C, 512] at depth H into the tile's fp32 logits (rows 1,024 floats apart);
+  // dX [C, 512] of H's columns over the tile's 1,024 rows of dz, added into fp32 dX (dz kept
+  // over the first half of each fp32 logit row: rows 2,048 bf16 apart); dW [512, H] at depth C
+  // rounded straight into a bf16 weight gradient. bench/bf16_gemm_torch.py --lce-torch-calls
+  // times torch.mm on the same calls.
+  constexpr long long call_tile = 1024, half_tile = 512;
+  std::vector<float> tile_logits(C * call_tile);
+  std::vector<bf16_t> kept_dz(C * 2 * call_tile), dw_bf16(V * H);
+  for (long long r = 0; r < C; ++r)
+    for (long long j = 0; j < call_tile; ++j) kept_dz[r * 2 * call_tile + j] = dzb[r * V + j];
+  const auto tile_halves = [&](auto&& call) {
+    for (long long v0 = 0; v0 < V; v0 += call_tile) {
+      const long long rows = std::min(call_tile, V - v0);
+#pragma omp parallel for schedule(static)
+      for (long long h = 0; h < 2; ++h) call(v0, rows, h);
+    }
+  };
+  const auto tile_logits_calls = [&](bf16_unit unit) {
+    tile_halves([&](long long v0, long long rows, long long h) {
+      const long long first = h * half_tile, n = std::min(half_tile, rows - first);
+      if (n > 0)
+        lce::detail::own_bf16_gemm(unit, transpose::no, transpose::yes, C, n, H, 1.0f, xb.data(), H,
+                                   wb.data() + (v0 + first) * H, H, 0.0f, tile_logits.data() + first, call_tile);
+    });
+  };
+  const auto tile_grad_hidden_calls = [&](bf16_unit unit) {
+    tile_halves([&](long long v0, long long rows, long long h) {
+      const long long c0 = h * (H / 2);
+      lce::detail::own_bf16_gemm(unit, transpose::no, transpose::no, C, H / 2, rows, 1.0f, kept_dz.data(),
+                                 2 * call_tile, wb.data() + v0 * H + c0, H, v0 == 0 ? 0.0f : 1.0f, dx.data() + c0, H);
+    });
+  };
+  const auto tile_grad_weight_calls = [&](bf16_unit unit) {
+    tile_halves([&](long long v0, long long rows, long long h) {
+      const long long first = h * half_tile, n = std::min(half_tile, rows - first);
+      if (n > 0)
+        lce::detail::own_bf16_gemm_into_bf16(unit, transpose::yes, transpose::no, n, H, C, 1.0f,
+                                             kept_dz.data() + first, 2 * call_tile, xb.data(), H, 0.0f,
+                                             dw_bf16.data() + (v0 + first) * H, H);
+    });
+  };
+
   // The units lce's own kernel runs on here, each with its row.
   std::vector<std::pair<bf16_unit, std::string>> own_units;
   if (lce::detail::amx_bf16_gemm_available()) own_units.emplace_back(bf16_unit::amx, "lce amx");
@@ -325,6 +375,9 @@ int main(int argc, char** argv) {
       work.push_back({row, "dz->bf16", [&] { host.copy(Dz, matrix_view<bf16_t>{dzb.data(), C, V, V}); }});
       work.push_back({row, "dX", [&, unit] { own_grad_hidden(unit, dzb.data(), wb.data(), dx.data(), threads); }});
       work.push_back({row, "dW", [&, unit] { own_grad_weight(unit, dzb.data(), xb.data(), dw.data()); }});
+      work.push_back({row + " calls", "logits", [&, unit] { tile_logits_calls(unit); }});
+      work.push_back({row + " calls", "dX", [&, unit] { tile_grad_hidden_calls(unit); }});
+      work.push_back({row + " calls", "dW", [&, unit] { tile_grad_weight_calls(unit); }});
     }
 
     for (auto& e : work) e.call();  // warm-up
@@ -347,9 +400,9 @@ int main(int argc, char** argv) {
     if (lce::detail::avx512_bf16_gemm_available())
       std::printf("AVX512-BF16 peak on %lld threads (VDPBF16PS chains on registers): %.0f GFLOP/s\n", threads,
                   avx512_bf16_peak_gflops(int(threads)));
-    std::printf("| %-14s | %15s | %15s | %15s | %9s | %9s |\n", "", "logits (NT)", "dX (NN)", "dW (TN)", "dz->bf16",
+    std::printf("| %-16s | %15s | %15s | %15s | %9s | %9s |\n", "", "logits (NT)", "dX (NN)", "dW (TN)", "dz->bf16",
                 "sum");
-    std::printf("|----------------|----------------:|----------------:|----------------:|----------:|----------:|\n");
+    std::printf("|------------------|----------------:|----------------:|----------------:|----------:|----------:|\n");
     const double base = table["lce bf16"]["logits"] + table["lce bf16"]["dX"] + table["lce bf16"]["dW"];
     for (const auto& row : order) {
       auto& cols = table[row];
@@ -362,7 +415,7 @@ int main(int argc, char** argv) {
       for (const char* c : {"logits", "dX", "dW", "dz->bf16"}) sum += cols.count(c) ? cols[c] : 0;
       char conv[32] = "-";
       if (cols.count("dz->bf16")) std::snprintf(conv, sizeof conv, "%.1f", cols["dz->bf16"]);
-      std::printf("| %-14s | %15s | %15s | %15s | %9s | %9.1f |\n", row.c_str(), cell("logits").c_str(),
+      std::printf("| %-16s | %15s | %15s | %15s | %9s | %9.1f |\n", row.c_str(), cell("logits").c_str(),
                   cell("dX").c_str(), cell("dW").c_str(), conv, sum);
       if (row.rfind("dnnl bf16", 0) == 0 || row == "lce amx" || row == "lce avx512" || row == "lce bf16 ops")
         std::printf("|   lce bf16 / %s, whole sweep: %.2fx |\n", row.c_str(), base / sum);

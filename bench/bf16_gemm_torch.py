@@ -11,13 +11,21 @@ hidden x[N, H], weight w[V, H], logit gradient dz[N, V]:
   MKL        cblas_gemm_bf16bf16f32 from the same libtorch_cpu (fp32 out), what
              lce_torch's GEMM provider calls, here as one call with MKL's own threads
 
+  --lce-torch-calls  also torch.mm on lce_torch's own calls (traced at N = 512, H = 1,024,
+             V = 32,000): per vocabulary tile of 1,024 rows, each GEMM in two halves of 512,
+             logits [N, 512] of the tile's rows, dX [N, 512] of H's columns over the tile's
+             1,024 rows of dz (kept over the first half of each fp32 logit row: rows 4 KiB
+             apart), dW [512, H] of the tile's rows into the bf16 weight gradient; bf16 out
+             each (lce's kernel writes fp32 logits and adds dX in fp32). The row
+             "torch.mm calls"; lce_bf16_gemm's "lce amx calls" runs lce's kernel on them.
+
 GFLOP/s of wall time, best of --reps, for each thread count; both read the same bf16
 inputs. The question it answers: how much of lce_torch's bf16 time against the plain
 path is the GEMM library's (lce needs the fp32 output that libtorch_cpu's oneDNN does
 not export on the CPU: aten::mm.dtype has no CPU kernel).
 
   python bench/bf16_gemm_torch.py [--tokens 512,1024] [--vocab 32000] [--hidden 1024]
-                                  [--threads 2,1] [--reps 5]
+                                  [--threads 2,1] [--reps 5] [--lce-torch-calls]
 """
 import argparse
 import ctypes
@@ -52,6 +60,36 @@ def best(fn, reps):
     return min(times)
 
 
+def lce_torch_calls(x, w, dz, dw16, tile=1024, half=512):
+    """The three GEMMs of a step as lce_torch calls them (see --lce-torch-calls), one
+    function each, torch.mm writing bf16."""
+    n, h = x.shape
+    v = w.shape[0]
+    kept = torch.empty(n, tile, dtype=torch.float32).view(torch.bfloat16)[:, :tile]  # rows 4 KiB apart
+    kept.copy_(dz[:, :tile])
+    z16, dx16 = torch.empty(n, half, dtype=torch.bfloat16), torch.empty(n, h // 2, dtype=torch.bfloat16)
+    tiles = [(v0, min(tile, v - v0)) for v0 in range(0, v, tile)]
+
+    def logits():
+        for v0, rows in tiles:
+            for first in range(0, rows, half):
+                m = min(half, rows - first)
+                torch.mm(x, w[v0 + first:v0 + first + m].t(), out=z16[:, :m])
+
+    def grad_hidden():
+        for v0, rows in tiles:
+            for c0 in (0, h // 2):
+                torch.mm(kept[:, :rows], w[v0:v0 + rows, c0:c0 + h // 2], out=dx16)
+
+    def grad_weight():
+        for v0, rows in tiles:
+            for first in range(0, rows, half):
+                m = min(half, rows - first)
+                torch.mm(kept[:, first:first + m].t(), x, out=dw16[v0 + first:v0 + first + m])
+
+    return [logits, grad_hidden, grad_weight]
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", default="512,1024")
@@ -59,6 +97,7 @@ def main():
     p.add_argument("--hidden", type=int, default=1024)
     p.add_argument("--threads", default="2,1")
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--lce-torch-calls", action="store_true")
     args = p.parse_args()
     gemm = mkl_bf16_gemm()
     print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}; "
@@ -87,6 +126,8 @@ def main():
                     lambda: gemm(ROW_MAJOR, TRANS, NO_TRANS, v, h, n, 1.0, dz.data_ptr(), v, x.data_ptr(), h,
                                  0.0, dw.data_ptr(), h),
                 ]
+            if args.lce_torch_calls:
+                rows["torch.mm calls"] = lce_torch_calls(x, w, dz, dw16)
             for threads in [int(s) for s in args.threads.split(",")]:
                 torch.set_num_threads(threads)
                 for name, fns in rows.items():
