@@ -19,8 +19,13 @@
 // since, where Debian's oneDNN 2.6 ran 109-111 ms and MKL 90 ms. PyTorch's
 // own bf16 matmuls (the oneDNN inside libtorch_cpu, bf16 output only, not
 // callable with an fp32 one) ran 64 ms on the first Xeon and, in PyTorch 2.13
-// (oneDNN 3.12), 52 ms on the second: this kernel's dX and dW are the ones to
-// catch up. On a 2-core AMD EPYC (Zen 5), MKL's runs 205-228 GFLOP/s on two
+// (oneDNN 3.12), 52 ms on the second. On lce_torch's own calls (tiles of 1,024
+// vocabulary rows, two halves of 512: bf16_gemm.cpp's `lce amx calls`), since
+// the sums between slices wait in scratch and a step's lines are staged before
+// packing, this kernel ran them in 118-129 ms on one core of the second Xeon
+// and 62-68 ms on two, where torch.mm ran the whole GEMMs in 107-130 ms and
+// 55-63 ms, and the same calls in 111-140 ms on one core (three runs, one
+// session). On a 2-core AMD EPYC (Zen 5), MKL's runs 205-228 GFLOP/s on two
 // threads (it does not use AVX512-BF16 there), PyTorch's own 784-893, Debian's
 // oneDNN 2.6 832 / 717 / 694 (logits / dX / dW at 512 tokens), and this kernel
 // on AVX512-BF16 886 / 844 / 701 (bench/bf16_gemm.cpp's `lce avx512` rows). The host
