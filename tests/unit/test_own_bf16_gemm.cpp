@@ -322,6 +322,43 @@ TEST_CASE_TEMPLATE("Own GEMM into a bf16 C: bf16(alpha A B + beta C), the bits o
   check_into_bf16<float, float>(unit, {128, 1024, 512, transpose::yes, transpose::no, 1.0f, 0.0f}, rng);
 }
 
+TEST_CASE_TEMPLATE("Own GEMM into a bf16 C: sums below fp32's normal range keep lce::bfloat16's bits", On, on_amx,
+                   on_avx512) {
+  if (!runs_here<On>()) return;
+  constexpr bf16_unit unit = On::unit;
+  std::mt19937 rng(2029);
+  // alpha = 2^-133 takes most of alpha A B below 2^-126: subnormal floats, which the CPU's
+  // own bf16 conversion (VCVTNE2PS2BF16) would flush to zero, and lce::bfloat16 rounds to
+  // subnormal bf16. Whole 32-column blocks and ragged ones, beta 0 and 1.
+  for (const auto& [n, beta] : {std::pair{std::int64_t{64}, 0.0f}, std::pair{std::int64_t{64}, 1.0f},
+                                std::pair{std::int64_t{45}, 0.0f}}) {
+    const problem p{64, n, 64, transpose::no, transpose::no, 0x1p-133f, beta};
+    CAPTURE(n);
+    CAPTURE(beta);
+    const operands<bfloat16, bfloat16> in(p, rng);
+    std::vector<bfloat16> c(static_cast<std::size_t>(p.m * in.ldc));
+    for (std::size_t i = 0; i < c.size(); ++i)  // subnormal bf16 too, where C is added to
+      c[i] = bfloat16(static_cast<float>(i % 5) * 0x1p-131f);
+    const std::vector<bfloat16> before = c;
+    lce::detail::own_bf16_gemm_into_bf16(unit, p.ta, p.tb, p.m, p.n, p.k, p.alpha, in.a_data.data(), in.lda,
+                                         in.b_data.data(), in.ldb, p.beta, c.data(), in.ldc);
+    std::vector<float> sum(static_cast<std::size_t>(p.m * p.n));
+    lce::detail::own_bf16_gemm(unit, p.ta, p.tb, p.m, p.n, p.k, p.alpha, in.a_data.data(), in.lda,
+                               in.b_data.data(), in.ldb, 0.0f, sum.data(), p.n);
+    std::int64_t differing = 0, subnormal = 0;
+    for (std::int64_t i = 0; i < p.m; ++i)
+      for (std::int64_t j = 0; j < p.n; ++j) {
+        const std::size_t at = static_cast<std::size_t>(i * in.ldc + j);
+        const float s = sum[static_cast<std::size_t>(i * p.n + j)];
+        const bfloat16 expected(p.beta == 0.0f ? s : static_cast<float>(before[at]) + s);
+        differing += expected.bits != c[at].bits;
+        subnormal += (expected.bits & 0x7f80u) == 0 && (expected.bits & 0x7fu) != 0;
+      }
+    CHECK(differing == 0);
+    CHECK(subnormal > p.m * p.n / 4);  // the case this test is for
+  }
+}
+
 TEST_CASE_TEMPLATE("Own bf16 GEMM: an empty C or depth", On, on_amx, on_avx512) {
   if (!runs_here<On>()) return;
   constexpr bf16_unit unit = On::unit;

@@ -453,6 +453,33 @@ struct a_tiles {
   std::int64_t advance, stride;
 };
 
+// Whether this CPU has AVX512-BF16's conversions (every AMX Xeon has; cpuid says so).
+inline bool cpu_converts_to_bf16() {
+  static const bool converts = x86_bf16_features::read().avx512_bf16();
+  return converts;
+}
+
+// 16 bf16 (bits) as floats, exactly.
+LCE_BF16_KERNEL_TARGET inline __m512 widen_bf16(__m256i bits) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// 32 floats, low then high, as 32 bf16 rounded as round_to_bf16_lanes rounds (to nearest even,
+// NaN made quiet): by VCVTNE2PS2BF16, which takes 2 instructions where that takes 11 a vector,
+// unless a lane is subnormal, which the instruction flushes to zero and lce::bfloat16 keeps.
+// Rounding dW's tiles into a bf16 C, the instruction took dW of 512 tokens (H 1,024, V 32,000,
+// one AMX core) from 57-61 ms to 51-54 ms.
+LCE_BF16_KERNEL_TARGET inline __m512i to_bf16_pair(__m512 low, __m512 high) {
+  const __m512i exponent = _mm512_set1_epi32(0x7f800000), magnitude = _mm512_set1_epi32(0x7fffffff);
+  const __m512i low_bits = _mm512_castps_si512(low), high_bits = _mm512_castps_si512(high);
+  const __mmask16 subnormal_low =
+      _mm512_mask_test_epi32_mask(_mm512_testn_epi32_mask(low_bits, exponent), low_bits, magnitude);
+  const __mmask16 subnormal_high =
+      _mm512_mask_test_epi32_mask(_mm512_testn_epi32_mask(high_bits, exponent), high_bits, magnitude);
+  if ((subnormal_low | subnormal_high) != 0) return join(to_bf16(low), to_bf16(high));
+  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(high, low));
+}
+
 // Rows first_row .. end_row - 1 of C[0:rows, 0:cols] = bf16(alpha block + beta C), C bf16 (u16
 // bits), beta 0 (C not read) or 1, block 32 x 32 row-major: each element widened, added to in
 // fp32 and rounded once, as detail::add_span adds an fp32 sum into a bfloat16 span (so the two
@@ -461,6 +488,20 @@ LCE_BF16_KERNEL_TARGET inline void round_block_rows_into(const float* block, std
                                                          std::int64_t end_row, std::int64_t cols, float alpha,
                                                          float beta, u16* c, std::int64_t ldc) {
   const __m512 va = _mm512_set1_ps(alpha);
+  if (cols == 32 && cpu_converts_to_bf16()) {
+    for (std::int64_t r = first_row; r < end_row; ++r) {
+      __m512 low = _mm512_loadu_ps(block + r * 32), high = _mm512_loadu_ps(block + r * 32 + 16);
+      if (alpha != 1.0f) low = _mm512_mul_ps(va, low), high = _mm512_mul_ps(va, high);
+      u16* const out = c + r * ldc;
+      if (beta != 0.0f) {
+        const __m512i old = _mm512_loadu_si512(out);
+        low = _mm512_add_ps(widen_bf16(_mm512_castsi512_si256(old)), low);
+        high = _mm512_add_ps(widen_bf16(_mm512_extracti64x4_epi64(old, 1)), high);
+      }
+      _mm512_storeu_si512(out, to_bf16_pair(low, high));
+    }
+    return;
+  }
   for (std::int64_t r = first_row; r < end_row; ++r) {
     for (std::int64_t j = 0; j < cols; j += 16) {
       const std::int64_t left = cols - j;
@@ -468,10 +509,7 @@ LCE_BF16_KERNEL_TARGET inline void round_block_rows_into(const float* block, std
       __m512 v = _mm512_loadu_ps(block + r * 32 + j);
       if (alpha != 1.0f) v = _mm512_mul_ps(va, v);
       u16* const out = c + r * ldc + j;
-      if (beta != 0.0f) {
-        const __m512i old_bits = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mask, out));
-        v = _mm512_add_ps(_mm512_castsi512_ps(_mm512_slli_epi32(old_bits, 16)), v);
-      }
+      if (beta != 0.0f) v = _mm512_add_ps(widen_bf16(_mm256_maskz_loadu_epi16(mask, out)), v);
       _mm256_mask_storeu_epi16(out, mask, to_bf16(v));
     }
   }
@@ -813,19 +851,24 @@ LCE_BF16_KERNEL_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int
       if (b.col == 1) {
         // 32 rows at a time (a step's k), 16 columns each: the next step's rows are asked for
         // tile by tile, a whole step ahead (the prefetchers do not follow 32 streams either).
-        // A whole step of 32 columns (two tiles) is staged first (stage_lines).
+        // A whole step of 32 bf16 columns (two tiles) is staged first (stage_lines).
         for (std::int64_t s = 0; s < steps; ++s)
           for (std::int64_t p = 0; p < 2 * these_panels; p += 2) {
             const std::int64_t kk = k0 + s * step, col = n0 + p * 16;
             prefetch_rows(b, k, kk + step, col);
             prefetch_rows(b, k, kk + step, col + 16);
-            if (std::is_same_v<BElement, u16> && kk + step <= k && col + 32 <= n) {
-              alignas(64) u16 stage[32 * 32];
-              stage_lines(reinterpret_cast<const u16*>(b.at(kk, col)), b.row, stage);
-              const strided staged{stage, 32, 1};
-              pack_b_tile(staged, 32, 32, 0, 0, b_stream(p) + s * tile_elements);
-              pack_b_tile(staged, 32, 32, 0, 16, b_stream(p + 1) + s * tile_elements);
-            } else {
+            bool staged_pair = false;
+            if constexpr (std::is_same_v<BElement, u16>) {
+              if (kk + step <= k && col + 32 <= n) {
+                alignas(64) u16 stage[32 * 32];
+                stage_lines(b.at(kk, col), b.row, stage);
+                const strided staged{stage, 32, 1};
+                pack_b_tile(staged, 32, 32, 0, 0, b_stream(p) + s * tile_elements);
+                pack_b_tile(staged, 32, 32, 0, 16, b_stream(p + 1) + s * tile_elements);
+                staged_pair = true;
+              }
+            }
+            if (!staged_pair) {
               pack_b_tile(b, k, n, kk, col, b_stream(p) + s * tile_elements);
               pack_b_tile(b, k, n, kk, col + 16, b_stream(p + 1) + s * tile_elements);
             }
@@ -859,10 +902,9 @@ LCE_BF16_KERNEL_TARGET inline void gemm(std::int64_t m, std::int64_t n, std::int
               pack_a_tile(a, m, k, m0 + 16 * h, k0 + full_steps * step, a_half[h]);
         } else {
           // Step by step, both halves: a line of a transposed A (dW's dz^T) holds a k's 32 rows,
-          // both halves' 16, so the second half's reads hit the lines the first just brought;
-          // half by half they went back to L2 for them (dW of 512 tokens, H 1,024, V 32,000,
-          // one AMX core: 49-52 ms against 52-53 ms).
-          // A whole step of a transposed A is staged first (stage_lines).
+          // both halves' 16. Half by half, the second half went back to L2 for the lines the first
+          // had read (dW of 512 tokens, H 1,024, V 32,000, one AMX core: 52-53 ms against 49-52
+          // step by step); a whole step of 32 rows is now staged first (stage_lines).
           for (std::int64_t s = 0; s < steps; ++s) {
             const std::int64_t kk = k0 + s * step;
             if (a.row == 1 && rows == 32 && kk + step <= k) {
